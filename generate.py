@@ -1,0 +1,266 @@
+"""Generate text with a compressible KV cache: prefill, compiled decode loop, sampling, figures at the end.
+
+    python generate.py --prompt "Hello, my name is" --max-new-tokens 64 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+import cache as kvcache
+from model import KVFastError, Transformer
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
+
+
+# ---- sampling: no host sync (gpt-fast's exponential trick instead of torch.multinomial) ------------------
+def logits_to_probs(logits: Tensor, temperature: float, top_k: int | None) -> Tensor:
+    logits = logits / max(temperature, 1e-5)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits = torch.where(logits < kth, float("-inf"), logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
+    """logits: [B, 1, V] -> next token ids [B, 1]. Greedy when temperature is 0."""
+    logits = logits[:, -1]
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = logits_to_probs(logits, temperature, top_k)
+    noise = torch.empty_like(probs).exponential_(1)
+    return (probs / noise).argmax(dim=-1, keepdim=True)
+
+
+# ---- the three phases -------------------------------------------------------------------------------
+def prefill(model: Transformer, idx: Tensor, temperature: float, top_k: int | None) -> Tensor:
+    return sample(model(idx), temperature, top_k)
+
+
+def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
+                     top_k: int | None) -> tuple[Tensor, Tensor]:
+    """One decode step: x [B, 1] at input_pos [1] -> (next token [B, 1], logits [B, 1, V])."""
+    logits = model(x, input_pos)
+    return sample(logits, temperature, top_k), logits
+
+
+def refresh_caches(model: Transformer) -> None:
+    """Periodic policy work (e.g. Scissorhands' eviction-queue refill), compiled separately."""
+    for c in model.caches:
+        c.refresh()
+
+
+class Decoder:
+    """Holds the (optionally compiled) step functions so they compile once and are reused across samples."""
+
+    def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False):
+        self.model = model
+        self.step = decode_one_token
+        self.refresh = refresh_caches
+        self.prefill = prefill
+        if compile:
+            mode = "reduce-overhead" if next(model.parameters()).is_cuda else None
+            self.step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
+            self.refresh = torch.compile(refresh_caches, fullgraph=True)
+        if compile_prefill:
+            self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+
+    def refresh_interval(self) -> int | None:
+        return getattr(self.model.caches[0], "refresh_interval", None)
+
+    def decode(self, x: Tensor, start_pos: int, n: int, temperature: float = 0.0, top_k: int | None = None,
+               stop_ids: set[int] | None = None, forced: Tensor | None = None,
+               on_logits=None) -> Tensor:
+        """Decode up to n tokens after x ([B, 1] at start_pos). With `forced` ([B, n]) the next inputs are
+        teacher-forced (used to extend a cache by a chunk and for perplexity); on_logits(step, logits) sees
+        each step's logits. Returns the generated tokens [B, <=n]."""
+        out = []
+        input_pos = torch.tensor([start_pos], dtype=torch.long, device=x.device)
+        interval = self.refresh_interval()
+        for i in range(n):
+            if interval and (start_pos + i) % interval == 0:
+                self.refresh(self.model)
+            x_next, logits = self.step(self.model, x, input_pos, temperature, top_k)
+            if on_logits is not None:
+                on_logits(i, logits)
+            out.append(x_next.clone())
+            x = forced[:, i : i + 1] if forced is not None else x_next
+            input_pos = input_pos + 1
+            if stop_ids and forced is None and (i + 1) % 8 == 0 and _all_stopped(torch.cat(out, 1), stop_ids):
+                break
+        return torch.cat(out, dim=1)
+
+
+def _all_stopped(tokens: Tensor, stop_ids: set[int]) -> bool:
+    stops = torch.tensor(sorted(stop_ids), device=tokens.device)
+    return bool(torch.isin(tokens, stops).any(dim=1).all())
+
+
+def truncate_at_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[:i]
+    return tokens
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
+                   help="checkpoint folder (config.json + model.safetensors|model.pth + tokenizer) or its "
+                        "weights file; the default model is prepared on first use")
+    p.add_argument("--prompt", default="Hello, my name is", help="prompt text, or @FILE to read it from a file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens")
+    p.add_argument("--num-samples", type=int, default=1, help="number of samples to generate")
+    p.add_argument("--batch-size", type=int, default=1, help="rows per sample (the prompt is replicated)")
+    p.add_argument("--seed", type=int, default=1234, help="random seed")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph)")
+    p.add_argument("--compile-prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default float32 on CPU, which has no fast bf16 here; bfloat16 on GPU)")
+    p.add_argument("--cache", default="full", help=f"KV cache policy: {', '.join(kvcache.POLICIES)}")
+    p.add_argument("--cache-budget", type=float, default=None,
+                   help="cache capacity: a fraction in (0, 1] of prompt + new tokens, or a number of slots")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    args = p.parse_args(argv)
+    if args.max_new_tokens <= 0:
+        p.error(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    if args.num_samples <= 0 or args.batch_size <= 0:
+        p.error("--num-samples and --batch-size must be > 0")
+    if args.top_k is not None and args.top_k <= 0:
+        p.error("--top-k must be > 0")
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
+    return args
+
+
+def read_prompt(prompt: str) -> str:
+    if not prompt.startswith("@"):
+        return prompt
+    path = Path(prompt[1:])
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise KVFastError(f"cannot read prompt file {path}: {e.strerror if isinstance(e, OSError) else e}")
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    if path == DEFAULT_CHECKPOINT and not (path / "config.json").exists():
+        from scripts.prepare import prepare_default
+
+        print("preparing the default model (first use)...", file=sys.stderr)
+        return prepare_default(ROOT)
+    return path
+
+
+def load(checkpoint: Path, device: str, dtype: torch.dtype):
+    from tokenizer import load_tokenizer
+
+    model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
+    folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    return model, load_tokenizer(folder)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
+    torch.manual_seed(args.seed)
+    prompt_text = read_prompt(args.prompt)
+    if args.cache not in kvcache.POLICIES:
+        raise KVFastError(f"unknown cache policy {args.cache!r} (choose from {', '.join(kvcache.POLICIES)})")
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    model, tokenizer = load(checkpoint, args.device, dtype)
+    if args.chat:
+        prompt_text = tokenizer.chat_prompt(prompt_text)
+    ids = tokenizer.encode(prompt_text, bos=tokenizer.bos_id is not None and not args.chat)
+    if not ids:
+        raise KVFastError("the prompt is empty")
+    total = len(ids) + args.max_new_tokens
+    if total > model.args.max_seq_len:
+        raise KVFastError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
+                          f"model's maximum length of {model.args.max_seq_len} tokens")
+    idx = torch.tensor([ids] * args.batch_size, dtype=torch.long, device=args.device)
+    make_cache = kvcache.make_cache_factory(args.cache, args.batch_size, model.args.n_kv_heads, model.args.head_dim,
+                                            total, budget=args.cache_budget, dtype=dtype, device=args.device)
+    model.setup_caches(make_cache)
+    decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill)
+    stop_ids = None if args.ignore_eos else tokenizer.stop_ids
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    timings = []
+    for i in range(-1 if args.compile else 0, args.num_samples):
+        for c in model.caches:
+            c.reset()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            first = decoder.prefill(model, idx, args.temperature, args.top_k)
+            t_prefill = time.perf_counter() - t0
+            new = decoder.decode(first, len(ids), args.max_new_tokens - 1, args.temperature, args.top_k, stop_ids)
+        _sync(args.device)
+        elapsed = time.perf_counter() - t0
+        tokens = torch.cat([first, new], dim=1)
+        if i < 0:
+            print(f"compile time (warm-up sample): {elapsed:.2f} s")
+            continue
+        n_new = tokens.shape[1]
+        timings.append((t_prefill, (n_new - 1) / max(elapsed - t_prefill, 1e-9), n_new))
+        for row in range(args.batch_size):
+            out = tokens[row].tolist()
+            text = tokenizer.decode(out if stop_ids is None else truncate_at_stop(out, stop_ids))
+            print(("" if args.chat else prompt_text) + text)
+            print("-" * 40)
+        print(f"sample {i}: prefill {t_prefill * 1000:.1f} ms ({len(ids)} tokens), decode "
+              f"{timings[-1][1]:.2f} tok/s x {args.batch_size} rows, {n_new} new tokens")
+
+    t_prefill = sum(t[0] for t in timings) / len(timings)
+    tok_s = sum(t[1] for t in timings) / len(timings)
+    print(f"prefill time: {t_prefill * 1000:.1f} ms")
+    print(f"decode: {tok_s:.2f} tok/s per row, {tok_s * args.batch_size:.2f} tok/s total")
+    print(f"bandwidth achieved: {weight_bytes * tok_s / 1e9:.2f} GB/s (weights {weight_bytes / 1e6:.1f} MB per step)")
+    print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB")
+    print_cache_stats(model, args.cache, len(ids) + timings[-1][2] - 1)
+
+
+def print_cache_stats(model: Transformer, policy: str, seen: int) -> None:
+    caches = model.caches
+    kept = sum(c.kept().float().mean().item() for c in caches) / len(caches)
+    kv_bytes = sum(c.physical_bytes() for c in caches)
+    c0 = caches[0]
+    full_bytes = 2 * len(caches) * c0.k.shape[0] * c0.k.shape[1] * seen * c0.k.shape[3] * c0.k.element_size()
+    capacities = sorted({c.capacity for c in caches})
+    cap = str(capacities[0]) if len(capacities) == 1 else f"{capacities[0]}..{capacities[-1]}"
+    print(f"cache: {policy}, capacity per layer {cap} slots; tokens seen {seen}, kept {kept:.0f}, "
+          f"evicted {seen - kept:.0f}")
+    print(f"KV cache physical bytes: {kv_bytes / 1e6:.2f} MB (full cache for {seen} tokens: "
+          f"{full_bytes / 1e6:.2f} MB; compression ratio {full_bytes / max(kv_bytes, 1):.2f}x)")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak_memory_gb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KVFastError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

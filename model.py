@@ -1,0 +1,285 @@
+"""A compact Llama-style transformer whose attention runs through one call site shared with the KV cache.
+
+RMSNorm, RoPE (llama3 scaling too), grouped-query attention (K/V stored per KV head, never repeated),
+SwiGLU, tied embeddings. Weights are stored as our own state_dict (see scripts/convert_*.py); q/k rows
+use the Hugging Face "rotate half" RoPE layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class KVFastError(Exception):
+    """A user-facing error: bad checkpoint, bad flag, bad config. Printed as one line by the CLIs."""
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    vocab_size: int = 49152
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: dict | None = None
+    max_seq_len: int = 8192
+    tie_embeddings: bool = True
+
+    @classmethod
+    def from_json(cls, path: Path) -> "ModelArgs":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise KVFastError(f"checkpoint has no config.json: {path}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise KVFastError(f"config.json is not valid JSON ({path}): {e}") from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise KVFastError(f"config.json has unknown fields {unknown} ({path})")
+        missing = sorted(known - set(raw) - {"rope_scaling"})
+        if missing:
+            raise KVFastError(f"config.json lacks fields {missing} ({path})")
+        return cls(**raw)
+
+    @property
+    def n_groups(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_frequencies(args: ModelArgs) -> Tensor:
+    """Inverse frequencies of RoPE, with llama3's piecewise rescaling when the config asks for it."""
+    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind != "llama3":
+        raise KVFastError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(args: ModelArgs) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape [max_seq_len, head_dim] (the rotate-half layout repeats each frequency)."""
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), rope_frequencies(args))
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, heads, S, D]; cos/sin: [S, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: bool) -> tuple[Tensor, Tensor | None]:
+    """The one attention call site. q: [B, H, S, D]; k, v: [B, H_kv, T, D] (never repeated to H heads).
+
+    mask None means causal attention of S queries over the same S keys (prefill on fresh K/V); otherwise
+    mask is [B, H_kv, S, T] bool (True = may attend). When want_probs, the probabilities are computed
+    explicitly and returned as [B, H_kv, g, S, T] so a cache policy can score its slots per KV head.
+    """
+    B, H, S, D = q.shape
+    n_kv = k.shape[1]
+    if not want_probs:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), None
+        # one mask row per query head: the g heads of a group share their KV head's mask
+        mask = mask.repeat_interleave(H // n_kv, dim=1) if H != n_kv else mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), None
+    qg = q.view(B, n_kv, H // n_kv, S, D)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(D))
+    if mask is None:
+        mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    else:
+        mask = mask.unsqueeze(2)
+    scores = scores.float().masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.type_as(v), v.unsqueeze(2))
+    return out.view(B, H, S, D), probs
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_rows = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_rows, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.kv_cache = None  # set by Transformer.setup_caches
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, S, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, out: Tensor) -> Tensor:
+        B, _, S, _ = out.shape
+        return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor | None) -> Tensor:
+        q, k, v = self.project(x, cos, sin)
+        cache = self.kv_cache
+        if input_pos is None:  # prefill: causal attention on the fresh K/V, then the cache keeps what it can
+            out, _ = attend(q, k, v, None, want_probs=False)
+            if cache is not None:
+                cache.prefill(q, k, v)
+            return self.output(out)
+        k_all, v_all, mask = cache.update(input_pos, k, v)
+        out, probs = attend(q, k_all, v_all, mask, want_probs=cache.needs_attention)
+        if probs is not None:
+            cache.observe(probs)
+        return self.output(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor | None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def caches(self) -> list:
+        return [layer.attention.kv_cache for layer in self.layers]
+
+    def setup_caches(self, make_cache) -> None:
+        """make_cache(layer_index) -> a cache policy module; each layer gets its own buffers."""
+        for i, layer in enumerate(self.layers):
+            layer.attention.kv_cache = make_cache(i)
+
+    def forward(self, idx: Tensor, input_pos: Tensor | None = None, all_logits: bool = False) -> Tensor:
+        """idx: [B, S]. input_pos None = prefill of a fresh sequence at positions 0..S-1 (returns the last
+        position's logits, [B, 1, V], unless all_logits); else one decode token at input_pos ([1])."""
+        h = self.hidden(idx, input_pos)
+        return self.logits(h if all_logits else h[:, -1:])
+
+    def hidden(self, idx: Tensor, input_pos: Tensor | None = None) -> Tensor:
+        if input_pos is None:
+            cos, sin = self.rope_cos[: idx.shape[1]], self.rope_sin[: idx.shape[1]]
+        else:
+            cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos)
+        return self.norm(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, weight).float()
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Transformer":
+        """Load `<dir>/config.json` plus `model.safetensors` or `model.pth`; path may be the folder or the file."""
+        path = Path(path)
+        if not path.exists():
+            raise KVFastError(f"checkpoint not found: {path}")
+        folder, weights = (path, None) if path.is_dir() else (path.parent, path)
+        if weights is None:
+            candidates = [folder / n for n in ("model.safetensors", "model.pth") if (folder / n).exists()]
+            if not candidates:
+                raise KVFastError(f"no model.safetensors or model.pth in {folder}")
+            weights = candidates[0]
+        args = ModelArgs.from_json(folder / "config.json")
+        state = load_weights(weights)
+        with torch.device("meta"):
+            model = cls(args)
+        check_state_dict(model, state, weights)
+        model.load_state_dict(state, assign=True, strict=False)
+        cos, sin = rope_tables(args)
+        model.rope_cos, model.rope_sin = cos, sin
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def load_weights(path: Path) -> dict[str, Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # safetensors / pickle / zip errors all mean the same thing to the user
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise KVFastError(f"cannot read weights {path}: corrupt or truncated file ({reason})") from None
+
+
+def check_state_dict(model: nn.Module, state: dict[str, Any], source: Path) -> None:
+    """One clear line instead of torch's multi-line load_state_dict report."""
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected else [])
+        raise KVFastError(f"config.json does not match the weights in {source}: " + ", ".join(parts))
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise KVFastError(
+                f"config.json does not match the weights in {source}: {name} has shape "
+                f"{tuple(state[name].shape)}, config expects {shape}"
+            )
