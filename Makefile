@@ -1,0 +1,32 @@
+# Quick start:  make demo   (set up, prepare the default model, generate)
+#               make test   (set up, run the test suite)
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	python3 -m venv .venv
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+checkpoints/SmolLM2-135M-Instruct/config.json: | $(STAMP)
+	$(PY) scripts/prepare.py
+
+demo: $(STAMP) checkpoints/SmolLM2-135M-Instruct/config.json
+	$(PY) generate.py --chat --prompt "What is the capital of France? Answer in one sentence." \
+		--max-new-tokens 64 --temperature 0 --compile
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench: $(STAMP) checkpoints/SmolLM2-135M-Instruct/config.json
+	$(PY) bench.py
+
+clean:
+	rm -rf .venv checkpoints results
