@@ -112,8 +112,15 @@ def truncate_at_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
 
 
 # ---- CLI -----------------------------------------------------------------------------------------------
+class ArgumentParser(argparse.ArgumentParser):
+    """Bad flags end in one line ('error: ...') and exit code 2, like every other user error."""
+
+    def error(self, message: str):
+        raise KVFastError(message)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
                    help="checkpoint folder (config.json + model.safetensors|model.pth + tokenizer) or its "
                         "weights file; the default model is prepared on first use")
@@ -170,7 +177,11 @@ def load(checkpoint: Path, device: str, dtype: torch.dtype):
 
     model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
     folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
-    return model, load_tokenizer(folder)
+    try:
+        tokenizer = load_tokenizer(folder)
+    except (OSError, ValueError) as e:  # missing files, bad JSON, bad tokenizer model
+        raise KVFastError(f"cannot load the tokenizer of {folder}: {e}") from None
+    return model, tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         raise KVFastError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
                           f"model's maximum length of {model.args.max_seq_len} tokens")
     idx = torch.tensor([ids] * args.batch_size, dtype=torch.long, device=args.device)
-    make_cache = kvcache.make_cache_factory(args.cache, args.batch_size, model.args.n_kv_heads, model.args.head_dim,
-                                            total, budget=args.cache_budget, dtype=dtype, device=args.device)
+    make_cache = kvcache.make_cache_factory(args.cache, args.batch_size, model.args, len(ids), args.max_new_tokens,
+                                            budget=args.cache_budget, dtype=dtype, device=args.device)
     model.setup_caches(make_cache)
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
@@ -258,9 +269,17 @@ def _peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """Run main(); a user error is one line on stderr and exit code 2, never a traceback."""
     try:
-        main()
+        main(argv)
     except KVFastError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class KVFastError(Exception):
@@ -39,7 +38,7 @@ class ModelArgs:
     tie_embeddings: bool = True
 
     @classmethod
-    def from_json(cls, path: Path) -> "ModelArgs":
+    def from_json(cls, path: Path) -> ModelArgs:
         try:
             raw = json.loads(Path(path).read_text())
         except FileNotFoundError:
@@ -254,7 +253,7 @@ class Transformer(nn.Module):
         return linear(h, weight).float()
 
     @classmethod
-    def from_checkpoint(cls, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Transformer":
+    def from_checkpoint(cls, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
         """Load `<dir>/config.json` plus `model.safetensors` or `model.pth`; path may be the folder or the file."""
         path = Path(path)
         if not path.exists():
@@ -283,7 +282,7 @@ def load_weights(path: Path) -> dict[str, Tensor]:
 
             return load_file(str(path))
         return torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
-    except Exception as e:  # safetensors / pickle / zip errors all mean the same thing to the user
+    except Exception as e:  # noqa: BLE001 -- safetensors, pickle and zip errors mean the same to the user
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise KVFastError(f"cannot read weights {path}: corrupt or truncated file ({reason})") from None
 
