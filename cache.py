@@ -1,136 +1,403 @@
-"""KV-cache policies: fixed slot buffers per layer, decode-time eviction, prompt compression.
+"""KV-cache policies: the public entry point (registries, CLI flags, presets, the per-layer cache factory).
 
-Every layer owns one policy instance with buffers k, v: [B, H_kv, C, D] and slot_pos: [B, H_kv, C]
-(the original position of the token in each slot, -1 = empty). Shapes never change, so the compiled
-decode step never recompiles: eviction overwrites the lowest-scored slot in place.
+The mechanics live in the `kv/` package: kv.slots (the slot cache every policy shares), kv.policies (decode-time
+eviction, one short class per paper), kv.prompt (prompt compressors and blockwise prompt statistics),
+kv.budgets (capacities and layer schedules).
 
-A policy is a short subclass: it defines `slot_scores` (low = evicted first), optionally `observe`
-(attention probabilities of the new query, when `needs_attention`), and its CLI parameters.
+Two independent axes:
+    --cache POLICY               what leaves the cache during decoding (one token in, one out per KV head)
+    --prompt-compression NAME    which `capacity` prompt tokens each KV head keeps when the prompt is too long
+                                 (default: the policy's partner, e.g. scissorhands + snapkv)
+plus --cache-budget (fraction of prompt + new tokens, or slots per layer), --layer-budget uniform|pyramid|funnel
+and each method's hyper-parameters (defaults from its paper). `--cache-config NAME` loads
+cache_configs/NAME.yaml; flags given on the command line override it. A flag the chosen policy and compressor
+do not use is an error.
+
+Use from code (generate.py, eval.py, bench.py):
+
+    add_cache_args(parser)                                 # all the flags above, with --help text
+    check_cache_args(args)                                 # fail fast, before loading a model
+    make_cache = cache_factory_from_args(args, batch_size, model.args, prompt_len, max_new_tokens, dtype, device)
+    # or: make_cache = make_cache_factory("h2o", batch_size, model.args, prompt_len, max_new_tokens,
+    #                                      budget=0.2, recent_window=0.5, dtype=dtype, device=device)
+    model.setup_caches(make_cache)                         # make_cache(layer) -> KVCache; .capacities etc.
+    print("\\n".join(format_cache_report(cache_report(model.caches))))
+
+Prefill once, many policies (eval): prefill attention never reads the cache, so keep each layer's post-RoPE
+(q, k, v) and call `cache.prefill(q, k, v, memo=memos[layer])` on every policy's caches. `memo` is a dict per
+(sample, layer) that the caches fill with their budget-independent prompt statistics (compressor scores,
+H2O column sums, SnapKV window votes, Scissorhands' low-attention record, ...), so trying another budget or
+policy on the same sample recomputes none of them. A compressor's scores alone: `PROMPT_COMPRESSORS[name](
+**params).scores(q, k, memo)` ([B, H_kv, S], higher = kept).
+
+Timing a decode step (bench): `setup_decode_benchmark(model, policy, context_len, budget=...)` installs the
+caches and fills them as if `context_len` tokens had been seen (random K/V), without running a prefill.
 """
 
 from __future__ import annotations
 
-import math
-from typing import ClassVar
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
-import torch.nn as nn
-from torch import Tensor
+import yaml
 
-from model import KVFastError
+from kv.budgets import LAYER_SCHEDULES, layer_capacities, resolve_capacity, resolve_count
+from kv.policies import POLICIES, FullCache, WindowCache
+from kv.prompt import PROMPT_COMPRESSORS
+from kv.slots import KVCache
+from model import KVFastError, ModelArgs
 
+__all__ = ["CONFIG_DIR", "POLICIES", "PROMPT_COMPRESSORS", "CacheFactory", "KVCache", "add_cache_args",
+           "cache_factory_from_args", "cache_report", "check_cache_args", "format_cache_report", "load_preset",
+           "make_cache_factory", "setup_decode_benchmark"]
 
-class KVCache(nn.Module):
-    """Shared slot mechanics. Subclasses set `name`, `slot_scores`, and optionally `observe`/`refresh`."""
-
-    name: ClassVar[str] = ""
-    needs_attention: ClassVar[bool] = False
-    # CLI parameters this policy uses, with their defaults (the papers' values)
-    params: ClassVar[dict[str, float | int | str]] = {}
-
-    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **params):
-        super().__init__()
-        unknown = set(params) - set(self.params)
-        if unknown:
-            raise KVFastError(f"cache policy {self.name!r} does not use {sorted(unknown)}")
-        for key, default in self.params.items():
-            setattr(self, key, params.get(key, default))
-        self.capacity = capacity
-        shape = (batch_size, n_kv_heads, capacity, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("slot_pos", torch.full(shape[:3], -1, dtype=torch.long, device=device),
-                             persistent=False)
-
-    def reset(self) -> None:
-        """Empty the cache for a new sequence, reusing the buffers."""
-        self.slot_pos.fill_(-1)
-
-    # ---- prefill -------------------------------------------------------------------------------------
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        """Fill an empty cache with a prompt's K/V [B, H_kv, S, D] (q: [B, H, S, D], post-RoPE)."""
-        S = k.shape[2]
-        if S > self.capacity:
-            raise KVFastError(f"prompt of {S} tokens does not fit the {self.name!r} cache of {self.capacity} slots")
-        self.k[:, :, :S] = k
-        self.v[:, :, :S] = v
-        self.slot_pos[:, :, :S] = torch.arange(S, device=k.device)
-        self.slot_pos[:, :, S:] = -1
-
-    # ---- decode --------------------------------------------------------------------------------------
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Write one token's K/V ([B, H_kv, 1, D]) at position input_pos ([1]); return all slots + mask."""
-        slot = self.choose_slot(input_pos)  # [B, H_kv]
-        B, H, _, D = k.shape
-        index = slot.view(B, H, 1, 1).expand(B, H, 1, D)
-        self.k.scatter_(2, index, k)
-        self.v.scatter_(2, index, v)
-        self.slot_pos.scatter_(2, slot.view(B, H, 1), input_pos.view(1, 1, 1).expand(B, H, 1))
-        self.on_insert(slot)
-        return self.k, self.v, (self.slot_pos >= 0).unsqueeze(2)
-
-    def choose_slot(self, input_pos: Tensor) -> Tensor:
-        """Per KV head, the slot the new token goes to: an empty one, else the lowest-scored evictable one."""
-        return self.slot_scores(input_pos).argmin(dim=-1)
-
-    def slot_scores(self, input_pos: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def on_insert(self, slot: Tensor) -> None:
-        """Reset per-slot statistics of the slots just overwritten (policies with statistics override)."""
-
-    def observe(self, probs: Tensor) -> None:
-        """probs: [B, H_kv, g, 1, C] attention of the new query over all slots (only if needs_attention)."""
-
-    def refresh(self) -> None:
-        """Work done every `refresh_interval` steps by a separately compiled function (none by default)."""
-
-    # ---- reporting -----------------------------------------------------------------------------------
-    def physical_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
-    def kept(self) -> Tensor:
-        """Valid slots per (row, KV head)."""
-        return (self.slot_pos >= 0).sum(-1)
+CONFIG_DIR = Path(__file__).resolve().parent / "cache_configs"
+DEFAULT_PYRAMID_BETA = 20
 
 
-class FullCache(KVCache):
-    """No compression: capacity = prompt + new tokens; token t lives in slot t (gpt-fast's static cache)."""
-
-    name = "full"
-
-    def choose_slot(self, input_pos: Tensor) -> Tensor:
-        B, H, _ = self.slot_pos.shape
-        return input_pos.view(1, 1).expand(B, H)
-
-
-POLICIES: dict[str, type[KVCache]] = {cls.name: cls for cls in (FullCache,)}
-
-
-def resolve_capacity(budget: float | None, total_len: int) -> int:
-    """--cache-budget: a fraction in (0, 1] of prompt + new tokens, or an absolute number of slots (> 1)."""
-    if budget is None:
-        return total_len
-    if budget <= 0:
-        raise KVFastError(f"--cache-budget must be > 0, got {budget}")
-    if budget <= 1:
-        return max(1, math.ceil(budget * total_len))
-    if budget != int(budget):
-        raise KVFastError(f"--cache-budget above 1 is a number of slots and must be whole, got {budget}")
-    return min(int(budget), total_len)
+def _count(name: str, value: Any) -> float | int:
+    """A positive window/interval: a fraction (< 1) of the capacity or a whole number of tokens."""
+    value = _number(name, value)
+    if value <= 0:
+        raise KVFastError(f"--{_flag(name)} must be > 0, got {value:g}")
+    if value >= 1:
+        if value != int(value):
+            raise KVFastError(f"--{_flag(name)} of 1 or more is a number of tokens and must be whole, got {value:g}")
+        return int(value)
+    return float(value)
 
 
-def make_cache_factory(policy: str, batch_size: int, n_kv_heads: int, head_dim: int, total_len: int,
-                       budget: float | None = None, dtype: torch.dtype = torch.float32,
-                       device: str | torch.device = "cpu", **params):
-    """Return make_cache(layer_index) for Transformer.setup_caches, validating the policy and its flags."""
-    if policy not in POLICIES:
-        raise KVFastError(f"unknown cache policy {policy!r} (choose from {', '.join(POLICIES)})")
-    cls = POLICIES[policy]
-    capacity = total_len if cls is FullCache else resolve_capacity(budget, total_len)
+def _whole(minimum: int):
+    def check(name: str, value: Any) -> int:
+        value = _number(name, value)
+        if value != int(value) or value < minimum:
+            raise KVFastError(f"--{_flag(name)} must be a whole number >= {minimum}, got {value:g}")
+        return int(value)
+    return check
 
-    def make_cache(layer: int) -> KVCache:
-        return cls(batch_size, n_kv_heads, head_dim, capacity, dtype=dtype, device=device, **params)
 
-    return make_cache
+def _choice(*options: str):
+    def check(name: str, value: Any) -> str:
+        if value not in options:
+            raise KVFastError(f"--{_flag(name)} must be one of {', '.join(options)}, got {value!r}")
+        return value
+    return check
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise KVFastError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _odd(name: str, value: Any) -> int:
+    value = _whole(1)(name, value)
+    if value % 2 == 0:
+        raise KVFastError(f"--{_flag(name)} must be odd (pooling keeps the length), got {value}")
+    return value
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KVFastError(f"--{_flag(name)} must be a number, got {value!r}")
+    return value
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+# Method hyper-parameters: name -> (validator, --help). Defaults are the policy / compressor class's `params`.
+PARAMS: dict[str, tuple[Any, str]] = {
+    "n_sinks": (_whole(0), "first tokens always kept (attention sinks); window: 4, others: 0"),
+    "recent_window": (_count, ("most recent tokens always kept, the new one included; < 1 = fraction of the "
+                               "capacity (window: 2000, h2o: 0.5, scissorhands: 10)")),
+    "history_window": (_whole(1), "scissorhands: steps of attention history counted per token (400)"),
+    "drop_interval": (_count, ("scissorhands: re-rank the eviction queue every m steps; < 1 = fraction of the "
+                               "smallest layer capacity (0.5, the paper's m = 0.5 B)")),
+    "obs_window": (_whole(1), "snapkv/pyramidkv: last prompt queries that vote, always kept (32 / 8)"),
+    "pool_kernel": (_odd, "snapkv/pyramidkv: 1-D pooling kernel over the votes (7)"),
+    "pool": (_choice("max", "avg"), "snapkv/pyramidkv: pooling, max or avg (max)"),
+    "gqa_reduce": (_choice("mean", "max"), "reduce the scores of a KV head's query heads: mean or max (mean)"),
+    "h2o_normalize": (_bool, "h2o: divide accumulated attention by the number of queries that saw the token"),
+}
+GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta")
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    """Add every cache flag. All default to None so that an explicitly given flag can be told apart."""
+    g = parser.add_argument_group("KV cache")
+    g.add_argument("--cache", default=None, help=f"decode-time policy: {', '.join(POLICIES)} (default full)")
+    g.add_argument("--prompt-compression", default=None,
+                   help=f"prompt compressor when the prompt exceeds the capacity: {', '.join(PROMPT_COMPRESSORS)} "
+                        "(default: the policy's partner)")
+    g.add_argument("--cache-budget", type=float, default=None,
+                   help="slots per layer: a fraction in (0, 1] of prompt + new tokens, or a number (> 1); the "
+                        "average over layers with --layer-budget pyramid|funnel (default: no compression)")
+    g.add_argument("--layer-budget", default=None,
+                   help=f"divide the budget across layers: {', '.join(LAYER_SCHEDULES)} (default uniform; "
+                        "pyramid for pyramidkv)")
+    g.add_argument("--pyramid-beta", type=float, default=None,
+                   help=f"pyramid/funnel: the smallest layer gets about 1/beta of the average ({DEFAULT_PYRAMID_BETA})")
+    for name, (_, text) in PARAMS.items():
+        if name == "h2o_normalize":
+            g.add_argument(f"--{_flag(name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif name in ("pool", "gqa_reduce"):
+            g.add_argument(f"--{_flag(name)}", default=None, help=text)
+        else:
+            g.add_argument(f"--{_flag(name)}", type=float, default=None, help=text)
+    g.add_argument("--cache-config", default=None,
+                   help=f"YAML preset from cache_configs/ ({', '.join(available_presets())}); flags override it")
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """A preset = a set of flags (keys with dashes or underscores). NAME or a path to a .yaml file."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else CONFIG_DIR / f"{name}.yaml"
+    if not path.exists():
+        raise KVFastError(f"unknown cache preset {name!r} (available: {', '.join(available_presets())})")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise KVFastError(f"cache preset {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise KVFastError(f"cache preset {path} must be a mapping of flags to values")
+    preset = {str(key).replace("-", "_"): value for key, value in raw.items()}
+    unknown = sorted(set(preset) - set(PARAMS) - set(GLOBALS))
+    if unknown:
+        raise KVFastError(f"cache preset {path.name} has unknown keys {unknown}")
+    return preset
+
+
+@dataclass
+class CacheSpec:
+    """What the user asked for: the policy, its compressor, budgets and explicitly given hyper-parameters."""
+
+    policy: str = "full"
+    prompt_compression: str | None = None
+    budget: float | None = None
+    layer_budget: str | None = None
+    pyramid_beta: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    cli: set[str] = field(default_factory=set)  # keys given on the command line (they beat the preset)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CacheSpec:
+        cli = {k: getattr(args, k) for k in (*GLOBALS, *PARAMS) if getattr(args, k, None) is not None}
+        preset = load_preset(args.cache_config) if getattr(args, "cache_config", None) else {}
+        if "cache_budget" in cli and "recent_window" in preset and "recent_window" not in cli:
+            del preset["recent_window"]  # window: a budget from the command line sets the window
+        merged = {**preset, **cli}
+        return cls(policy=merged.get("cache", "full"), prompt_compression=merged.get("prompt_compression"),
+                   budget=merged.get("cache_budget"), layer_budget=merged.get("layer_budget"),
+                   pyramid_beta=merged.get("pyramid_beta"),
+                   params={k: v for k, v in merged.items() if k in PARAMS}, cli=set(cli))
+
+    def resolve(self) -> tuple[type[KVCache], type | None, dict[str, Any]]:
+        """Validate names, unused flags and values; return (policy class, compressor class, all parameters)."""
+        if self.policy not in POLICIES:
+            raise KVFastError(f"unknown cache policy {self.policy!r} (choose from {', '.join(POLICIES)})")
+        policy = POLICIES[self.policy]
+        if self.prompt_compression is not None and self.prompt_compression not in PROMPT_COMPRESSORS:
+            raise KVFastError(f"unknown prompt compressor {self.prompt_compression!r} "
+                              f"(choose from {', '.join(PROMPT_COMPRESSORS)})")
+        name = self.prompt_compression or policy.default_prompt_compressor
+        compressor = PROMPT_COMPRESSORS[name] if name else None
+        used = set(policy.params) | set(compressor.params if compressor else ())
+        if policy is FullCache:
+            given = [k for k, v in (("prompt_compression", self.prompt_compression), ("cache_budget", self.budget),
+                                    ("layer_budget", self.layer_budget)) if v is not None]
+            if given:
+                raise KVFastError(f"--{_flag(given[0])} is not used by --cache full (it never compresses)")
+        if self.pyramid_beta is not None and self.schedule() == "uniform":
+            raise KVFastError("--pyramid-beta is only used with --layer-budget pyramid or funnel")
+        for key in self.params:
+            if key not in used:
+                where = "" if key in self.cli else " (set by the --cache-config preset)"
+                comp = f" / --prompt-compression {name}" if compressor else ""
+                raise KVFastError(f"--{_flag(key)}{where} is not used by --cache {self.policy}{comp}")
+        values = {**(compressor.params if compressor else {}), **policy.params}
+        values.update({k: PARAMS[k][0](k, v) for k, v in self.params.items()})
+        if self.budget is not None:
+            _number("cache_budget", self.budget)
+        if self.layer_budget is not None:
+            _choice(*LAYER_SCHEDULES)("layer_budget", self.layer_budget)
+        if self.pyramid_beta is not None:
+            _whole(1)("pyramid_beta", self.pyramid_beta)
+        return policy, compressor, values
+
+    def schedule(self) -> str:
+        if self.layer_budget is not None:
+            return self.layer_budget
+        if "pyramidkv" in (self.policy, self.prompt_compression):
+            return "pyramid"
+        return POLICIES[self.policy].default_layer_budget if self.policy in POLICIES else "uniform"
+
+
+def check_cache_args(args: argparse.Namespace) -> None:
+    """Fail fast on bad names and flags, before a model is loaded (lengths are checked by the factory)."""
+    CacheSpec.from_args(args).resolve()
+
+
+def cache_factory_from_args(args: argparse.Namespace, batch_size: int, model_args: ModelArgs, prompt_len: int,
+                            max_new_tokens: int, dtype: torch.dtype = torch.float32,
+                            device: str | torch.device = "cpu") -> CacheFactory:
+    return CacheFactory(CacheSpec.from_args(args), batch_size, model_args, prompt_len, max_new_tokens, dtype, device)
+
+
+def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: ModelArgs | None = None,
+                       prompt_len: int = 0, max_new_tokens: int = 0, *, prompt_compression: str | None = None,
+                       budget: float | None = None, layer_budget: str | None = None,
+                       pyramid_beta: int | None = None, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu", **params: Any) -> CacheFactory:
+    """make_cache(layer) for Transformer.setup_caches; params are hyper-parameters by name (n_sinks=4, ...)."""
+    given = set(params) | ({"cache_budget"} if budget is not None else set())
+    spec = CacheSpec(policy, prompt_compression, budget, layer_budget, pyramid_beta, params, given)
+    return CacheFactory(spec, batch_size, model_args or ModelArgs(), prompt_len, max_new_tokens, dtype, device)
+
+
+class CacheFactory:
+    """Resolves capacities per layer and validates them against the policy; calling it builds one layer's cache.
+
+    Attributes: policy, prompt_compression, layer_budget, capacities / prompt_capacities (per layer),
+    values (the resolved hyper-parameters)."""
+
+    def __init__(self, spec: CacheSpec, batch_size: int, model_args: ModelArgs, prompt_len: int,
+                 max_new_tokens: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.cls, self.compressor_cls, self.values = spec.resolve()
+        self.policy = spec.policy
+        self.prompt_compression = self.compressor_cls.name if self.compressor_cls else None
+        self.layer_budget = spec.schedule()
+        self.batch_size, self.model_args, self.dtype, self.device = batch_size, model_args, dtype, device
+        self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
+        beta = int(spec.pyramid_beta or DEFAULT_PYRAMID_BETA)
+        total, n_layers = prompt_len + max_new_tokens, model_args.n_layers
+        window_param = self.compressor_cls.window_param if self.compressor_cls else None
+        window = self.values[window_param] if window_param else 0  # e.g. SnapKV's observation window
+        n_sinks = self.values.get("n_sinks", self.cls.n_sinks)
+        recent = self.values.get("recent_window", self.cls.recent_window)
+
+        if self.cls is FullCache:
+            self.capacities = self.prompt_capacities = [total] * n_layers
+        elif self.cls.evicts:
+            if self.cls is WindowCache:
+                if spec.budget is not None and "recent_window" in spec.cli and "cache_budget" in spec.cli:
+                    raise KVFastError("window: give --cache-budget or --recent-window, not both "
+                                      "(capacity = n_sinks + recent window)")
+                if spec.budget is None:
+                    average = min(total, n_sinks + resolve_count(recent, total))
+                else:
+                    average = resolve_capacity(spec.budget, total)
+                protected = n_sinks + 1  # the rest of every layer is its recent window
+            else:
+                average = resolve_capacity(spec.budget, total)
+                protected = n_sinks + max(resolve_count(recent, average), window)
+            caps = layer_capacities(self.layer_budget, average, n_layers, min(protected, average), total, beta)
+            self.capacities = self.prompt_capacities = [min(c, total) for c in caps]
+        else:  # append-only: the prompt gets the budget minus one slot per new token
+            average = resolve_capacity(spec.budget, total)
+            if average - max_new_tokens < 1:
+                raise KVFastError(f"--cache-budget gives {average} slots but {self.policy} keeps every new token: "
+                                  f"it needs more than --max-new-tokens ({max_new_tokens})")
+            caps = layer_capacities(self.layer_budget, average - max_new_tokens, n_layers,
+                                    min(window, average - max_new_tokens), prompt_len, beta)
+            self.prompt_capacities = [min(c, prompt_len) if prompt_len else c for c in caps]
+            self.capacities = [c + max_new_tokens for c in self.prompt_capacities]
+        self.layer_values = [self._layer_values(layer, n_sinks, recent, window) for layer in range(n_layers)]
+
+    def _layer_values(self, layer: int, n_sinks: int, recent: float, window: int) -> dict[str, Any]:
+        """The policy's hyper-parameters for one layer, windows resolved to tokens, checked against capacity."""
+        cap, prompt_cap = self.capacities[layer], self.prompt_capacities[layer]
+        values = {k: v for k, v in self.values.items() if k in self.cls.params}
+        total = self.prompt_len + self.max_new_tokens
+        evicting = self.cls.evicts and total > cap
+        if "recent_window" in values:
+            values["recent_window"] = cap - n_sinks if self.cls is WindowCache else resolve_count(recent, cap)
+            recent = values["recent_window"]
+        where = f" (layer {layer})" if len(set(self.capacities)) > 1 else ""
+        if evicting and cap < n_sinks + recent or self.cls is WindowCache and recent < 1:
+            raise KVFastError(f"--cache-budget gives {cap} slots{where}, fewer than {self.policy} needs: "
+                              f"n_sinks ({n_sinks}) + recent_window ({max(recent, 1)})")
+        if self.compressor_cls and self.prompt_len > prompt_cap and prompt_cap < n_sinks + max(window, recent - 1):
+            kept = f"n_sinks ({n_sinks}) + " + (f"obs_window ({window})" if window >= recent - 1 else
+                                                 f"recent_window - 1 ({recent - 1})")
+            raise KVFastError(f"--cache-budget leaves {prompt_cap} prompt slots{where}, fewer than the {kept} "
+                              f"that {self.prompt_compression} prompt compression always keeps")
+        if "drop_interval" in values:
+            values["drop_interval"] = self._drop_interval(n_sinks)
+        return values
+
+    def _drop_interval(self, n_sinks: int) -> int:
+        """One re-ranking interval for all layers (generate.Decoder reads layer 0's), checked against each layer:
+        at most C - n_sinks - (recent_window - 1) slots are evictable at a refresh, and the queue holds m."""
+        smallest = min(self.capacities)
+        m = resolve_count(self.values["drop_interval"], smallest)
+        room = min(c - n_sinks - (resolve_count(self.values["recent_window"], c) - 1) for c in self.capacities)
+        if self.cls.evicts and self.prompt_len + self.max_new_tokens > smallest and m > room:
+            raise KVFastError(f"--drop-interval {m} is larger than the budget allows: at most {room} slots are "
+                              f"evictable between refreshes (capacity {smallest} - n_sinks - recent window + 1)")
+        return min(m, smallest)
+
+    def __call__(self, layer: int) -> KVCache:
+        compressor = None
+        if self.compressor_cls is not None:
+            params = {k: v for k, v in self.values.items() if k in self.compressor_cls.params}
+            compressor = self.compressor_cls(layer=layer, **params)
+        a = self.model_args
+        return self.cls(self.batch_size, a.n_kv_heads, a.head_dim, self.capacities[layer],
+                        n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],
+                        compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
+                        **self.layer_values[layer])
+
+    def describe(self) -> str:
+        caps = sorted(set(self.capacities))
+        cap = str(caps[0]) if len(caps) == 1 else f"{caps[0]}..{caps[-1]} ({self.layer_budget})"
+        params = ", ".join(f"{_flag(k)} {v}" for k, v in sorted(self.layer_values[0].items()))
+        comp = f" + {self.prompt_compression} prompt compression" if self.prompt_compression else ""
+        return f"cache: {self.policy}{comp}, capacity per layer {cap} slots" + (f"; {params}" if params else "")
+
+
+# ---- reporting ------------------------------------------------------------------------------------------
+def cache_report(caches: list[KVCache]) -> dict[str, Any]:
+    """Figures for a finished run, read once from the buffers (one host sync per layer, at the end)."""
+    seen = max(c.tokens_seen() for c in caches)
+    kept = sum(c.kept().float().mean().item() for c in caches) / len(caches)
+    kv_bytes = sum(c.physical_bytes() for c in caches)
+    full_bytes = sum(2 * c.k.shape[0] * c.k.shape[1] * seen * c.k.shape[3] * c.k.element_size() for c in caches)
+    return {"policy": caches[0].name, "capacities": [c.capacity for c in caches], "seen": seen, "kept": kept,
+            "evicted": seen - kept, "kv_bytes": kv_bytes, "full_kv_bytes": full_bytes,
+            "overhead_bytes": sum(c.overhead_bytes() for c in caches),
+            "compression_ratio": full_bytes / max(kv_bytes, 1)}
+
+
+def format_cache_report(r: dict[str, Any]) -> list[str]:
+    caps = sorted(set(r["capacities"]))
+    cap = str(caps[0]) if len(caps) == 1 else f"{caps[0]}..{caps[-1]}"
+    seen = (f"cache: {r['policy']}, capacity per layer {cap} slots; tokens seen {r['seen']}, "
+            f"kept {r['kept']:.1f} (mean over layers, rows, KV heads), evicted {r['evicted']:.1f}")
+    size = (f"KV cache physical bytes: {r['kv_bytes'] / 1e6:.2f} MB (full cache for {r['seen']} tokens: "
+            f"{r['full_kv_bytes'] / 1e6:.2f} MB; compression ratio {r['compression_ratio']:.2f}x); "
+            f"positions + policy statistics {r['overhead_bytes'] / 1e6:.2f} MB")
+    return [seen, size]
+
+
+def setup_decode_benchmark(model: torch.nn.Module, policy: str, context_len: int, max_new_tokens: int = 1,
+                           batch_size: int = 1, seed: int = 0, **kwargs: Any) -> CacheFactory:
+    """Install `policy` caches on `model` as if `context_len` tokens had been processed (random K/V, statistics
+    plausible), so a decode step at that context can be timed without a prefill. kwargs: make_cache_factory's
+    (budget=..., layer_budget=..., hyper-parameters). The next decode position is `context_len`."""
+    p = next(model.parameters())
+    factory = make_cache_factory(policy, batch_size, model.args, context_len, max_new_tokens, dtype=p.dtype,
+                                 device=p.device, **kwargs)
+    model.setup_caches(factory)
+    generator = torch.Generator().manual_seed(seed)
+    for c in model.caches:
+        c.fill_synthetic(context_len, generator)
+    return factory

@@ -137,9 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32 on CPU, which has no fast bf16 here; bfloat16 on GPU)")
-    p.add_argument("--cache", default="full", help=f"KV cache policy: {', '.join(kvcache.POLICIES)}")
-    p.add_argument("--cache-budget", type=float, default=None,
-                   help="cache capacity: a fraction in (0, 1] of prompt + new tokens, or a number of slots")
+    kvcache.add_cache_args(p)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     args = p.parse_args(argv)
     if args.max_new_tokens <= 0:
@@ -189,8 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     torch.manual_seed(args.seed)
     prompt_text = read_prompt(args.prompt)
-    if args.cache not in kvcache.POLICIES:
-        raise KVFastError(f"unknown cache policy {args.cache!r} (choose from {', '.join(kvcache.POLICIES)})")
+    kvcache.check_cache_args(args)  # bad policy, preset or flag: fail before loading the model
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load(checkpoint, args.device, dtype)
     if args.chat:
@@ -203,8 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         raise KVFastError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
                           f"model's maximum length of {model.args.max_seq_len} tokens")
     idx = torch.tensor([ids] * args.batch_size, dtype=torch.long, device=args.device)
-    make_cache = kvcache.make_cache_factory(args.cache, args.batch_size, model.args, len(ids), args.max_new_tokens,
-                                            budget=args.cache_budget, dtype=dtype, device=args.device)
+    make_cache = kvcache.cache_factory_from_args(args, args.batch_size, model.args, len(ids), args.max_new_tokens,
+                                                 dtype, args.device)
     model.setup_caches(make_cache)
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
@@ -241,21 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"decode: {tok_s:.2f} tok/s per row, {tok_s * args.batch_size:.2f} tok/s total")
     print(f"bandwidth achieved: {weight_bytes * tok_s / 1e9:.2f} GB/s (weights {weight_bytes / 1e6:.1f} MB per step)")
     print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB")
-    print_cache_stats(model, args.cache, len(ids) + timings[-1][2] - 1)
+    print_cache_stats(model, make_cache)
 
 
-def print_cache_stats(model: Transformer, policy: str, seen: int) -> None:
-    caches = model.caches
-    kept = sum(c.kept().float().mean().item() for c in caches) / len(caches)
-    kv_bytes = sum(c.physical_bytes() for c in caches)
-    c0 = caches[0]
-    full_bytes = 2 * len(caches) * c0.k.shape[0] * c0.k.shape[1] * seen * c0.k.shape[3] * c0.k.element_size()
-    capacities = sorted({c.capacity for c in caches})
-    cap = str(capacities[0]) if len(capacities) == 1 else f"{capacities[0]}..{capacities[-1]}"
-    print(f"cache: {policy}, capacity per layer {cap} slots; tokens seen {seen}, kept {kept:.0f}, "
-          f"evicted {seen - kept:.0f}")
-    print(f"KV cache physical bytes: {kv_bytes / 1e6:.2f} MB (full cache for {seen} tokens: "
-          f"{full_bytes / 1e6:.2f} MB; compression ratio {full_bytes / max(kv_bytes, 1):.2f}x)")
+def print_cache_stats(model: Transformer, factory: kvcache.CacheFactory) -> None:
+    """Policy, capacities, tokens seen / kept / evicted, KV bytes vs the full cache's (read once, at the end)."""
+    print(factory.describe())
+    for line in kvcache.format_cache_report(kvcache.cache_report(model.caches)):
+        print(line)
 
 
 def _sync(device: str) -> None:

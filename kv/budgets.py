@@ -1,0 +1,76 @@
+"""Capacities: how many slots each layer's cache holds.
+
+`--cache-budget` is a fraction in (0, 1] of prompt + max new tokens, or an absolute number of slots (> 1)
+per layer; with a layer schedule it is the *average* over layers, and `--layer-budget` divides the total:
+
+- uniform: every layer gets the same capacity;
+- pyramid: PyramidKV's linear schedule (Cai et al., arXiv:2406.02069; KVCache-Factory `PyramidKVCluster`):
+  the lowest layer gets the most, the top layer about 1/beta of the average, beta = 20;
+- funnel: the same ramp mirrored (more slots in later layers, as Scissorhands' persistence plot suggests and
+  cold-compress's `funnel` pattern does).
+
+Windows and intervals (`--recent-window`, `--drop-interval`) may likewise be given as a fraction (< 1) of a
+layer's capacity or as a number of tokens (>= 1); `resolve_count` turns them into tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+from model import KVFastError
+
+LAYER_SCHEDULES = ("uniform", "pyramid", "funnel")
+
+
+def resolve_capacity(budget: float | None, total_len: int) -> int:
+    """--cache-budget: a fraction in (0, 1] of prompt + new tokens, or an absolute number of slots (> 1).
+
+    None means no compression (the full length). The result never exceeds total_len: memory is allocated for
+    what can actually be used."""
+    if budget is None:
+        return total_len
+    if budget <= 0:
+        raise KVFastError(f"--cache-budget must be > 0, got {budget:g}")
+    if budget <= 1:
+        return max(1, math.ceil(budget * total_len))
+    if budget != int(budget):
+        raise KVFastError(f"--cache-budget above 1 is a number of slots and must be whole, got {budget:g}")
+    return min(int(budget), total_len)
+
+
+def resolve_count(value: float, capacity: int) -> int:
+    """A window or interval: a fraction (< 1) of the layer's capacity, or a number of tokens (>= 1)."""
+    if value < 1:
+        return max(1, int(value * capacity))
+    return int(value)
+
+
+def pyramid_capacities(average: int, n_layers: int, protected: int, seq_len: int, beta: int) -> list[int]:
+    """PyramidKV's per-layer capacities, layer 0 first (the largest).
+
+    `average` is the per-layer budget B (window included), `protected` the slots every layer keeps on top of
+    its selection (SnapKV's observation window w, or sinks + recent window), `seq_len` the length L being
+    compressed. This is KVCache-Factory's formula: min = (B - w) // beta, max = 2 (B - w) - min, clamped so no
+    layer selects more than L - w tokens, then a linear ramp with integer steps (so the total can exceed
+    n_layers * B by less than n_layers^2 / 2 slots, as in the reference)."""
+    if seq_len <= average or n_layers == 1:
+        return [average] * n_layers  # nothing to compress: the reference falls back to uniform
+    extra = average - protected
+    min_num = extra // beta
+    max_num = 2 * extra - min_num
+    if max_num >= seq_len - protected:
+        max_num = seq_len - protected
+        min_num = 2 * extra - max_num
+    steps = (max_num - min_num) // (n_layers - 1)
+    return [protected + max_num - layer * steps for layer in range(n_layers)]
+
+
+def layer_capacities(schedule: str, average: int, n_layers: int, protected: int, seq_len: int,
+                     beta: int = 20) -> list[int]:
+    """Capacity of each layer under `schedule` (see the module docstring)."""
+    if schedule not in LAYER_SCHEDULES:
+        raise KVFastError(f"unknown --layer-budget {schedule!r} (choose from {', '.join(LAYER_SCHEDULES)})")
+    if schedule == "uniform":
+        return [average] * n_layers
+    caps = pyramid_capacities(average, n_layers, protected, seq_len, beta)
+    return caps if schedule == "pyramid" else caps[::-1]

@@ -1,0 +1,263 @@
+"""Decode-time policies: what leaves the cache when a new token arrives and the cache is full.
+
+One short class each: its paper in one line, its parameters with the paper's defaults, its score and the
+statistics behind it. Mechanics (buffers, protection, the scatter, prefill) live in kv.slots.KVCache.
+Common deviation: eviction happens when the new token is written, before it attends, so a policy with
+capacity C behaves like the paper's method with budget C - 1 plus the newest token, which is never evicted
+on arrival.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from kv.prompt import column_sums, key_norm_rank, last_query_attention, low_attention
+from kv.slots import KVCache, counter_hash, gather_tokens, reduce_groups, row_head_salt
+
+
+class FullCache(KVCache):
+    """No compression (gpt-fast's static cache): capacity = prompt + new tokens; token t lives in slot t."""
+
+    name = "full"
+    evicts = False
+    position_only = True
+
+    def choose_slot(self, input_pos: Tensor) -> Tensor:
+        B, H, _ = self.slot_pos.shape
+        return input_pos.view(1, 1).expand(B, H)
+
+
+class WindowCache(KVCache):
+    """StreamingLLM (Xiao et al., ICLR 2024, arXiv:2309.17453): n_sinks first tokens + a rolling recent window.
+
+    Capacity = n_sinks + recent_window (or --cache-budget, the window then being the rest). Deviation: keys keep
+    their original RoPE positions (gaps after eviction) instead of the paper's pos-shift, which re-rotates the
+    cache to positions 0..C-1 at every step; defaults are examples/run_streaming_llama.py's (4 + 2000)."""
+
+    name = "window"
+    position_only = True
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 4, "recent_window": 2000}
+    default_prompt_compressor = "window"
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        return self.slot_pos.float()  # the oldest non-sink token leaves
+
+
+class RandomCache(KVCache):
+    """Random eviction baseline (cold-compress `random`, kvpress RandomPress): a uniform choice among the
+    evictable slots at every step, drawn from a counter-based hash so compiled and eager runs agree."""
+
+    name = "random"
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 0, "recent_window": 1}
+    default_prompt_compressor = "random"
+
+    def init_state(self) -> None:
+        salt = row_head_salt(self.batch_size, self.n_kv_heads, self.layer, self.device)
+        self.register_buffer("salt", salt, persistent=False)  # fixed, survives reset()
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        return counter_hash(self.slot_pos, input_pos, self.salt).double()
+
+
+class H2OCache(KVCache):
+    """H2O (Zhang et al., NeurIPS 2023, arXiv:2306.14048): evict the lowest accumulated attention, the recent
+    window kept. Scores sum every query that saw the token, prompt queries included (computed in query blocks
+    at prefill); h2o_normalize divides by their number (kvpress ObservedAttention, against the early-token
+    bias). Defaults: heavy hitters and recent window split the budget in half (the paper's 0.1 + 0.1); no sinks.
+    """
+
+    name = "h2o"
+    needs_attention = True
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 0, "recent_window": 0.5, "h2o_normalize": False, "gqa_reduce": "mean"}
+    default_prompt_compressor = "h2o"
+
+    def init_state(self) -> None:
+        # per query head, so --gqa-reduce max reduces accumulated scores (not per-step ones)
+        self.add_state("acc", (self.batch_size, self.n_kv_heads, self.n_groups, self.capacity))
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        scores = reduce_groups(self.acc, self.gqa_reduce)
+        if self.h2o_normalize:  # queries that attended each token: its own and every later one up to t - 1
+            scores = scores / (input_pos - self.slot_pos).clamp(min=1).float()
+        return scores
+
+    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
+        B, H, g, _ = self.acc.shape
+        self.acc.scatter_(3, slot.view(B, H, 1, 1).expand(B, H, g, 1), 0.0)
+
+    def observe(self, probs: Tensor) -> None:
+        self.acc.add_(probs[:, :, :, 0])
+
+    def prefill_state(self, q: Tensor, k: Tensor, keep: Tensor | None, memo: dict) -> None:
+        n = min(k.shape[2], self.prompt_capacity)
+        self.acc[..., :n] = gather_tokens(column_sums(q, k, memo), keep, n)
+
+    def synthetic_state(self, generator: torch.Generator | None) -> None:
+        self.acc.copy_(torch.rand(self.acc.shape, generator=generator))
+
+
+class ScissorhandsCache(KVCache):
+    """Scissorhands (Liu et al., NeurIPS 2023, arXiv:2305.17118): evict the tokens whose attention was most
+    often below uniform (1 / number of valid slots) over the last history_window steps; recent window kept.
+
+    Each step records one bit per slot (a ring of history_window bits, bit-packed); every drop_interval steps
+    refresh() re-ranks the evictable slots by their fraction of low-attention steps (ties: older first) into an
+    eviction queue that the next steps pop, one token in and one out. Deviation: the paper drops m = 0.5 B
+    tokens at once when the cache overflows; here the same m worst tokens are chosen at once but leave one per
+    step, so memory never exceeds the budget and no slot is ever empty. The prompt's last history_window queries
+    seed the record. GQA: the group's attention is reduced (mean) before the threshold. No sinks (paper)."""
+
+    name = "scissorhands"
+    needs_attention = True
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 0, "recent_window": 10, "history_window": 400, "drop_interval": 0.5,
+              "gqa_reduce": "mean"}
+    default_prompt_compressor = "snapkv"
+
+    def init_state(self) -> None:
+        B, H, C = self.batch_size, self.n_kv_heads, self.capacity
+        self.refresh_interval = self.drop_interval
+        self.add_state("low_bits", (B, H, C, (self.history_window + 7) // 8), torch.uint8)
+        self.add_state("queue", (B, H, self.drop_interval), torch.long)
+        self.add_state("queue_next", (1,), torch.long)
+
+    def low_counts(self) -> Tensor:
+        """Low-attention steps in the window, per slot: popcount of the ring."""
+        shifts = torch.arange(8, dtype=torch.uint8, device=self.low_bits.device)
+        return ((self.low_bits.unsqueeze(-1) >> shifts) & 1).sum(dim=(-1, -2))
+
+    def eviction_ranking(self, t: Tensor) -> Tensor:
+        """Scores at time t (the next position): minus the fraction of low-attention steps, protected."""
+        observed = (t - self.slot_pos).clamp(min=1, max=self.history_window)  # steps seen within the window
+        return self.protect(-(self.low_counts().float() / observed.float()), t)
+
+    def refresh(self) -> None:
+        scores = self.eviction_ranking(self.seen)
+        by_age = torch.sort(self.slot_pos, dim=-1, stable=True).indices  # ties leave oldest first
+        order = torch.sort(scores.gather(-1, by_age), dim=-1, stable=True).indices
+        self.queue.copy_(by_age.gather(-1, order)[..., : self.drop_interval])
+        self.queue_next.zero_()
+
+    def choose_slot(self, input_pos: Tensor) -> Tensor:
+        m = self.drop_interval
+        slot = self.queue.index_select(2, self.queue_next.clamp(max=m - 1)).squeeze(2)
+        # only reached if refresh() is not called every m steps: fall back to the oldest evictable token
+        fallback = self.protect(self.slot_pos.float(), input_pos).argmin(dim=-1)
+        self.queue_next.add_(1)
+        return torch.where(self.queue_next <= m, slot, fallback)
+
+    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
+        B, H, _, nbytes = self.low_bits.shape
+        self.low_bits.scatter_(2, slot.view(B, H, 1, 1).expand(B, H, 1, nbytes), 0)
+
+    def observe(self, probs: Tensor) -> None:
+        p = reduce_groups(probs[:, :, :, 0], self.gqa_reduce)  # [B, H_kv, C]
+        valid = self.slot_pos >= 0
+        low = (p < 1.0 / valid.sum(-1, keepdim=True).float()) & valid
+        column = (self.seen - 1) % self.history_window  # this step's place in the ring
+        byte, bit = column // 8, column % 8
+        old = self.low_bits.index_select(3, byte).long()
+        new = (old & ~torch.bitwise_left_shift(torch.ones_like(bit), bit)) | (low.long().unsqueeze(-1) << bit)
+        self.low_bits.index_copy_(3, byte, new.to(torch.uint8))
+
+    def prefill_state(self, q: Tensor, k: Tensor, keep: Tensor | None, memo: dict) -> None:
+        S = k.shape[2]
+        n = min(S, self.prompt_capacity)
+        low = gather_tokens(low_attention(q, k, self.history_window, self.gqa_reduce, memo), keep, n)
+        ring = torch.zeros(low.shape[:2] + (n, self.low_bits.shape[-1] * 8), dtype=torch.bool, device=k.device)
+        columns = torch.arange(S - low.shape[2], S, device=k.device) % self.history_window
+        ring[..., columns] = low.transpose(2, 3)
+        weights = 2 ** torch.arange(8, device=k.device)
+        self.low_bits[:, :, :n] = (ring.unflatten(-1, (-1, 8)).long() * weights).sum(-1).to(torch.uint8)
+        self.refresh()
+
+    def synthetic_state(self, generator: torch.Generator | None) -> None:
+        self.low_bits.copy_(torch.randint(0, 256, self.low_bits.shape, generator=generator, dtype=torch.uint8))
+        self.refresh()
+
+
+class TOVACache(KVCache):
+    """TOVA (Oren et al., EMNLP 2024, arXiv:2401.06104): evict the token the newest query attended least,
+    attention averaged over all heads of the layer (one kept set per layer, as long as the KV heads' slots hold
+    the same tokens; if a per-head prompt compressor misaligned them, the mean over each KV head's group)."""
+
+    name = "tova"
+    needs_attention = True
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 0, "recent_window": 1}
+    default_prompt_compressor = "tova"
+
+    def init_state(self) -> None:
+        self.add_state("last_attn", (self.batch_size, self.n_kv_heads, self.capacity))
+
+    def layer_scores(self, per_group: Tensor) -> Tensor:
+        aligned = (self.slot_pos == self.slot_pos[:, :1]).flatten(1).all(dim=1).view(-1, 1, 1)
+        return torch.where(aligned, per_group.mean(dim=1, keepdim=True).expand_as(per_group), per_group)
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        return self.last_attn
+
+    def observe(self, probs: Tensor) -> None:
+        self.last_attn.copy_(self.layer_scores(probs[:, :, :, 0].mean(dim=2)))
+
+    def prefill_state(self, q: Tensor, k: Tensor, keep: Tensor | None, memo: dict) -> None:
+        n = min(k.shape[2], self.prompt_capacity)
+        per_group = torch.zeros_like(self.last_attn)
+        per_group[..., :n] = gather_tokens(last_query_attention(q, k, memo).mean(dim=2), keep, n)
+        self.last_attn.copy_(self.layer_scores(per_group))
+
+
+class KNormCache(KVCache):
+    """KNorm (Devoto et al., EMNLP 2024, arXiv:2406.11430): evict the key with the highest L2 norm.
+    Deviations: no layer is skipped (the official README example leaves layers 0 and 1 uncompressed); norms
+    are compared at fp16 precision, ties evicting the older token (see kv.prompt.key_norm_rank)."""
+
+    name = "knorm"
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 0, "recent_window": 1}
+    default_prompt_compressor = "knorm"
+
+    def init_state(self) -> None:
+        self.add_state("key_norm", (self.batch_size, self.n_kv_heads, self.capacity))
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        return key_norm_rank(self.key_norm, self.slot_pos)
+
+    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
+        B, H = slot.shape
+        self.key_norm.scatter_(2, slot.view(B, H, 1), k.float().norm(dim=-1))
+
+    def prefill_state(self, q: Tensor, k: Tensor, keep: Tensor | None, memo: dict) -> None:
+        n = min(k.shape[2], self.prompt_capacity)
+        self.key_norm[..., :n] = gather_tokens(k.float().norm(dim=-1), keep, n)
+
+    def synthetic_state(self, generator: torch.Generator | None) -> None:
+        self.key_norm.copy_(self.k.float().norm(dim=-1))
+
+
+class SnapKVCache(KVCache):
+    """SnapKV (Li et al., NeurIPS 2024, arXiv:2404.14469): the prompt is compressed once at prefill (observation
+    window votes); decoded tokens are appended and never evicted, so --cache-budget is the prompt's budget plus
+    max new tokens. Outside the paper: if a sequence ever outgrows the capacity, the oldest token leaves."""
+
+    name = "snapkv"
+    evicts = False
+    default_prompt_compressor = "snapkv"
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        return self.slot_pos.float()
+
+
+class PyramidKVCache(SnapKVCache):
+    """PyramidKV (Cai et al., arXiv:2406.02069): SnapKV with pyramid layer budgets (more slots in lower layers)."""
+
+    name = "pyramidkv"
+    default_prompt_compressor = "pyramidkv"
+    default_layer_budget = "pyramid"
+
+
+POLICIES: dict[str, type[KVCache]] = {
+    cls.name: cls
+    for cls in (FullCache, WindowCache, RandomCache, H2OCache, ScissorhandsCache, SnapKVCache, PyramidKVCache,
+                KNormCache, TOVACache)
+}

@@ -1,0 +1,237 @@
+"""Prompt compression: which `n` prompt tokens each KV head keeps when the prompt is longer than the capacity.
+
+A compressor defines only `scores(q, k, memo)` ([B, H_kv, S], higher = kept). The scores never depend on the
+budget, so a caller trying many budgets computes them once (they are memoized in `memo`). The shared
+`select` then keeps the top-n per KV head with the protected positions forced in: the policy's sinks, its
+recent window, and the compressor's own window (SnapKV's observation window).
+
+Statistics that need the prompt's attention are computed here from (q, k) in query blocks, never as one
+S x S matrix (PREFILL_BLOCK_ELEMENTS probabilities at a time); SnapKV and TOVA need only their last rows
+(a w x S product). All of them are fp32 and causal; GQA queries are viewed as [B, H_kv, g, S, D].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kv.slots import INF, counter_hash, reduce_groups, row_head_salt
+from model import KVFastError
+
+PREFILL_BLOCK_ELEMENTS = 1 << 22  # attention probabilities held at once by the blockwise statistics
+
+
+# ---- prompt statistics --------------------------------------------------------------------------------
+def memoized(memo: dict | None, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
+    if memo is None:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def attention_rows(q: Tensor, k: Tensor, start: int, stop: int) -> Tensor:
+    """Causal attention probabilities [B, H_kv, g, stop - start, S] (fp32) of query rows start..stop-1."""
+    B, H, S, D = q.shape
+    n_kv = k.shape[1]
+    qg = q[:, :, start:stop].float().reshape(B, n_kv, H // n_kv, stop - start, D)
+    scores = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(D))
+    rows = torch.arange(start, stop, device=q.device).view(-1, 1)
+    future = torch.arange(S, device=q.device) > rows
+    return torch.softmax(scores.masked_fill(future, -INF), dim=-1)
+
+
+def attention_row_blocks(q: Tensor, k: Tensor, start: int = 0,
+                         block_rows: int | None = None) -> Iterator[tuple[int, Tensor]]:
+    """(first row, probabilities) for query rows start..S-1, a block of rows at a time."""
+    B, H, S, _ = q.shape
+    rows = block_rows or max(1, PREFILL_BLOCK_ELEMENTS // (B * H * S))
+    for r0 in range(start, S, rows):
+        yield r0, attention_rows(q, k, r0, min(S, r0 + rows))
+
+
+def column_sums(q: Tensor, k: Tensor, memo: dict | None = None, block_rows: int | None = None) -> Tensor:
+    """H2O's accumulated attention of every prompt query, per query head: [B, H_kv, g, S]."""
+    def compute() -> Tensor:
+        total = None
+        for _, probs in attention_row_blocks(q, k, 0, block_rows):
+            part = probs.sum(dim=3)
+            total = part if total is None else total + part
+        return total
+    return memoized(memo, ("column_sums",), compute)
+
+
+def window_votes(q: Tensor, k: Tensor, window: int, memo: dict | None = None) -> Tensor:
+    """SnapKV's vote: attention of the last `window` queries summed, per query head: [B, H_kv, g, S]."""
+    S = q.shape[2]
+    return memoized(memo, ("window_votes", window),
+                    lambda: attention_rows(q, k, S - window, S).sum(dim=3))
+
+
+def last_query_attention(q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+    """Attention of the last prompt query, per query head: [B, H_kv, g, S]."""
+    S = q.shape[2]
+    return memoized(memo, ("last_query",), lambda: attention_rows(q, k, S - 1, S)[:, :, :, 0])
+
+
+def low_attention(q: Tensor, k: Tensor, window: int, gqa_reduce: str, memo: dict | None = None,
+                  block_rows: int | None = None) -> Tensor:
+    """Scissorhands' record for the last min(window, S) prompt queries: [B, H_kv, w, S] bool, True where the
+    group-reduced attention of query j to token i <= j is below uniform, 1 / (j + 1)."""
+    S = q.shape[2]
+    w = min(window, S)
+
+    def compute() -> Tensor:
+        blocks = []
+        for r0, probs in attention_row_blocks(q, k, S - w, block_rows):
+            p = reduce_groups(probs, gqa_reduce)  # [B, H_kv, rows, S]
+            rows = torch.arange(r0, r0 + p.shape[2], device=q.device).view(-1, 1)
+            seen = torch.arange(S, device=q.device) <= rows
+            blocks.append((p < 1.0 / (rows + 1).float()) & seen)
+        return torch.cat(blocks, dim=2)
+    return memoized(memo, ("low_attention", window, gqa_reduce), compute)
+
+
+def key_norm_rank(norm: Tensor, pos: Tensor) -> Tensor:
+    """KNorm's ranking, higher = kept: lower L2 norm first, compared at fp16 precision, then the newer token.
+
+    A repeated token has the same key norm at every position (RoPE preserves norms), so exact comparisons would
+    hinge on rounding noise that differs between eager and compiled kernels; fp16 buckets plus an explicit
+    tie-break make the choice reproducible. fp16 bits of a non-negative float are ordered like the float."""
+    bits = norm.half().view(torch.int16).long()
+    return (pos - (bits << 32)).double()
+
+
+# ---- compressors ----------------------------------------------------------------------------------------
+class PromptCompressor:
+    """Picks the prompt tokens each KV head keeps. Subclasses define `scores` (higher = kept) and `params`."""
+
+    name: ClassVar[str] = ""
+    params: ClassVar[dict[str, Any]] = {}
+    window_param: ClassVar[str | None] = None  # the parameter naming a window of last tokens always kept
+
+    def __init__(self, layer: int = 0, **params: Any):
+        unknown = set(params) - set(self.params)
+        if unknown:
+            raise KVFastError(f"prompt compressor {self.name!r} does not use {sorted(unknown)}")
+        for key, default in self.params.items():
+            setattr(self, key, params.get(key, default))
+        self.layer = layer
+
+    @property
+    def window(self) -> int:
+        return getattr(self, self.window_param) if self.window_param else 0
+
+    def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+        """[B, H_kv, S] per-token scores, higher = kept; independent of the budget."""
+        raise NotImplementedError
+
+    def cached_scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+        key = ("scores", self.name, tuple(sorted((p, getattr(self, p)) for p in self.params)))
+        return memoized(memo, key, lambda: self.scores(q, k, memo))
+
+    def select(self, q: Tensor, k: Tensor, n: int, n_sinks: int = 0, recent_window: int = 1,
+               memo: dict | None = None) -> Tensor:
+        """Positions [B, H_kv, n] (ascending) each KV head keeps: the protected ones, then the top-scored."""
+        S = k.shape[2]
+        scores = self.cached_scores(q, k, memo).double().expand(k.shape[:3])
+        pos = torch.arange(S, device=k.device)
+        # at the first decode step (t = S) the policy protects pos > S - recent_window: the last r - 1 tokens
+        keep_last = max(self.window, recent_window - 1)
+        protected = (pos < n_sinks) | (pos >= S - keep_last)
+        return scores.masked_fill(protected, INF).topk(n, dim=-1).indices.sort(dim=-1).values
+
+
+class WindowPrompt(PromptCompressor):
+    """StreamingLLM-style: the sinks and the most recent tokens."""
+
+    name = "window"
+
+    def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+        return torch.arange(k.shape[2], device=k.device).float().expand(k.shape[:3])
+
+
+class RandomPrompt(PromptCompressor):
+    """Random baseline: a uniformly random subset per KV head (counter-based, reproducible)."""
+
+    name = "random"
+
+    def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+        B, H, S, _ = k.shape
+        salt = row_head_salt(B, H, self.layer, k.device)
+        return counter_hash(torch.arange(S, device=k.device), S, salt).double()
+
+
+class H2OPrompt(PromptCompressor):
+    """H2O at prefill (KVCache-Factory's H2OKVCluster): accumulated attention of all prompt queries, computed in
+    query blocks; with h2o_normalize divided by the number of queries that saw each token (S - i)."""
+
+    name = "h2o"
+    params: ClassVar[dict[str, Any]] = {"h2o_normalize": False, "gqa_reduce": "mean"}
+
+    def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+        sums = reduce_groups(column_sums(q, k, memo), self.gqa_reduce)
+        if self.h2o_normalize:
+            S = k.shape[2]
+            sums = sums / (S - torch.arange(S, device=k.device)).float()
+        return sums
+
+
+class SnapKVPrompt(PromptCompressor):
+    """SnapKV (Li et al., NeurIPS 2024, arXiv:2404.14469): the last obs_window queries vote (attention summed),
+    the votes are 1-D pooled (stride 1, padding k // 2), top-k per KV head, the window itself always kept.
+    GQA: pooled per query head, then reduced over the group (kvpress's order); the official code instead keeps
+    one cache per query head. Defaults: the paper's LongBench configs (w = 32, kernel 7, max pooling)."""
+
+    name = "snapkv"
+    params: ClassVar[dict[str, Any]] = {"obs_window": 32, "pool_kernel": 7, "pool": "max", "gqa_reduce": "mean"}
+    window_param = "obs_window"
+
+    def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+        S = k.shape[2]
+        prefix = S - min(self.obs_window, S)
+        votes = window_votes(q, k, min(self.obs_window, S), memo)[..., :prefix]  # [B, H_kv, g, prefix]
+        pool = F.max_pool1d if self.pool == "max" else F.avg_pool1d
+        flat = votes.reshape(-1, 1, prefix)
+        pooled = pool(flat, self.pool_kernel, stride=1, padding=self.pool_kernel // 2) if prefix else flat
+        scores = reduce_groups(pooled.view(votes.shape), self.gqa_reduce)
+        return F.pad(scores, (0, S - prefix))  # the window is protected by select()
+
+
+class PyramidKVPrompt(SnapKVPrompt):
+    """PyramidKV (Cai et al., arXiv:2406.02069): SnapKV's scores under pyramid layer budgets (--layer-budget
+    pyramid, beta 20). Defaults from its reference run_longbench.py: w = 8, kernel 7, max pooling."""
+
+    name = "pyramidkv"
+    params: ClassVar[dict[str, Any]] = {"obs_window": 8, "pool_kernel": 7, "pool": "max", "gqa_reduce": "mean"}
+
+
+class KNormPrompt(PromptCompressor):
+    """KNorm (Devoto et al., EMNLP 2024, arXiv:2406.11430): keep the keys with the lowest L2 norm."""
+
+    name = "knorm"
+
+    def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+        return key_norm_rank(k.float().norm(dim=-1), torch.arange(k.shape[2], device=k.device))
+
+
+class TOVAPrompt(PromptCompressor):
+    """TOVA (Oren et al., EMNLP 2024, arXiv:2401.06104): the last prompt query's attention averaged over all
+    heads of the layer; one kept set shared by the layer's KV heads."""
+
+    name = "tova"
+
+    def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+        layer_mean = last_query_attention(q, k, memo).mean(dim=(1, 2), keepdim=True)[:, :, 0]  # [B, 1, S]
+        return layer_mean.expand(k.shape[:3])
+
+
+PROMPT_COMPRESSORS: dict[str, type[PromptCompressor]] = {
+    cls.name: cls
+    for cls in (WindowPrompt, RandomPrompt, H2OPrompt, SnapKVPrompt, PyramidKVPrompt, KNormPrompt, TOVAPrompt)
+}

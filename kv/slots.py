@@ -1,0 +1,233 @@
+"""The slot cache: fixed buffers per layer and the mechanics every policy shares.
+
+Buffers (DESIGN.md, "The cache contract"): k, v [B, H_kv, C, D] and slot_pos [B, H_kv, C] (the original
+position of the token in each slot, -1 = empty). Keys are stored after RoPE at their original position, so
+eviction leaves gaps and nothing is ever re-rotated. Shapes never change, so the compiled decode step never
+recompiles: a new token overwrites one slot per KV head, chosen by
+
+    argmin over slots of  score(slot)   with  empty slots -> -inf,
+                                               sinks (pos < n_sinks) and the recent window
+                                               (pos > t - recent_window) -> +inf
+
+so empty slots fill first, protected tokens never leave, and a policy only defines `slot_scores` (low =
+evicted first) and the statistics behind it. Every row of the batch and every KV head chooses on its own.
+
+Hooks a policy may override (each a few lines):
+    init_state()                 register its statistics with add_state()
+    slot_scores(input_pos)       [B, H_kv, C] float, low = evicted first
+    on_insert(slot, k, pos)      reset/seed the statistics of the slots just overwritten
+    observe(probs)               attention of the new query [B, H_kv, g, 1, C] (when needs_attention)
+    prefill_state(q, k, keep, memo)  seed the statistics of the kept prompt tokens
+    refresh()                    periodic work, compiled separately, called every refresh_interval steps
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from model import KVFastError
+
+INF = float("inf")
+
+
+def reduce_groups(x: Tensor, how: str, dim: int = 2) -> Tensor:
+    """Reduce the g query heads of a GQA group to their KV head (DESIGN.md: mean by default, or max)."""
+    return x.mean(dim) if how == "mean" else x.amax(dim)
+
+
+def counter_hash(pos: Tensor, t: Tensor | int, salt: Tensor) -> Tensor:
+    """Pseudo-random int64 scores in [0, 2^31 - 1) from (position, step, salt), counter-based.
+
+    Random eviction draws its choice from this hash instead of torch.rand so that eager and compiled decoding
+    evict the same token (a compiled RNG stream differs from eager's). Integer arithmetic stays below 2^63.
+    Two rounds of the MINSTD multiplier mix the inputs."""
+    modulus = 2147483647
+    x = (pos * 1000003 + t * 7919 + salt) % modulus + 1
+    x = (x * 48271) % modulus
+    return (x * 48271) % modulus
+
+
+def row_head_salt(batch_size: int, n_heads: int, layer: int, device: str | torch.device = "cpu") -> Tensor:
+    """[B, H, 1] salts for counter_hash that depend only on (layer, row, head), not on the batch size."""
+    rows = torch.arange(batch_size).view(-1, 1, 1)
+    heads = torch.arange(n_heads).view(1, -1, 1)
+    return counter_hash(rows * 4099 + heads, layer, torch.tensor(12345)).to(device)
+
+
+def gather_tokens(x: Tensor, keep: Tensor | None, n: int) -> Tensor:
+    """x [..., S] per-token statistics -> [..., n] for the kept positions keep [B, H_kv, n] (None = the first n).
+
+    x has the [B, H_kv] leading dims of keep, possibly with extra dims in between (e.g. g)."""
+    if keep is None:
+        return x[..., :n]
+    index = keep.view(keep.shape[:2] + (1,) * (x.dim() - 3) + keep.shape[2:])
+    return x.gather(-1, index.expand(x.shape[:-1] + (n,)))
+
+
+class KVCache(nn.Module):
+    """Shared slot mechanics. Subclasses set `name`, `params` and `slot_scores`, and the hooks they need."""
+
+    name: ClassVar[str] = ""
+    # explicit attention probabilities are computed (and observe() called) only when True
+    needs_attention: ClassVar[bool] = False
+    # False: append-only (full, snapkv, pyramidkv): the prompt is compressed to leave a slot per new token
+    evicts: ClassVar[bool] = True
+    # True when the kept positions never depend on the content (full, window)
+    position_only: ClassVar[bool] = False
+    # CLI parameters this policy uses, with their defaults (the paper's values)
+    params: ClassVar[dict[str, Any]] = {}
+    default_prompt_compressor: ClassVar[str | None] = None
+    default_layer_budget: ClassVar[str] = "uniform"
+    # protection, overridden by params where a policy exposes them
+    n_sinks: int = 0
+    recent_window: int = 1  # counts the new token: the r - 1 newest cached tokens are protected
+    refresh_interval: int | None = None  # read by generate.Decoder: call refresh() every that many steps
+
+    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, capacity: int, *, n_groups: int = 1,
+                 prompt_capacity: int | None = None, compressor=None, layer: int = 0,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **params: Any):
+        super().__init__()
+        unknown = set(params) - set(self.params)
+        if unknown:
+            raise KVFastError(f"cache policy {self.name!r} does not use {sorted(unknown)}")
+        for key, default in self.params.items():
+            setattr(self, key, params.get(key, default))
+        self.batch_size, self.n_kv_heads, self.head_dim, self.n_groups = batch_size, n_kv_heads, head_dim, n_groups
+        self.capacity = capacity
+        self.prompt_capacity = capacity if prompt_capacity is None else prompt_capacity
+        self.compressor = compressor
+        self.layer = layer
+        self.device = torch.device(device)
+        shape = (batch_size, n_kv_heads, capacity, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("slot_pos", torch.full(shape[:3], -1, dtype=torch.long, device=device),
+                             persistent=False)
+        # tokens seen so far = the next position; read once at the end for the report (no per-step sync)
+        self.register_buffer("seen", torch.zeros(1, dtype=torch.long, device=device), persistent=False)
+        self._state_fill: dict[str, float | int] = {}
+        self.init_state()
+
+    # ---- statistics buffers --------------------------------------------------------------------------
+    def add_state(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                  fill: float = 0) -> None:
+        """Register a per-policy statistics buffer, refilled with `fill` by reset()."""
+        self.register_buffer(name, torch.full(shape, fill, dtype=dtype, device=self.device), persistent=False)
+        self._state_fill[name] = fill
+
+    def init_state(self) -> None:
+        """Register statistics buffers (policies with statistics override)."""
+
+    def reset_state(self) -> None:
+        for name, fill in self._state_fill.items():
+            getattr(self, name).fill_(fill)
+
+    def reset(self) -> None:
+        """Empty the cache for a new sequence, reusing the buffers (their identity matters to compiled code)."""
+        self.slot_pos.fill_(-1)
+        self.seen.zero_()
+        self.reset_state()
+
+    # ---- prefill -------------------------------------------------------------------------------------
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, memo: dict | None = None) -> None:
+        """Fill an empty cache with a prompt's K/V [B, H_kv, S, D] (q: [B, H, S, D], post-RoPE).
+
+        If the prompt is longer than `prompt_capacity`, the prompt compressor picks which tokens each KV head
+        keeps (the policy's sinks and recent window always among them). `memo` (a dict, one per sample and
+        layer) lets a caller that prefills once and tries many policies/budgets reuse the budget-independent
+        prompt statistics (compressor scores, H2O column sums, ...)."""
+        B, H, S, D = k.shape
+        n = min(S, self.prompt_capacity)
+        if S <= self.prompt_capacity:
+            keep = None
+            self.k[:, :, :S] = k
+            self.v[:, :, :S] = v
+            self.slot_pos[:, :, :S] = torch.arange(S, device=k.device)
+        else:
+            if self.compressor is None:
+                raise KVFastError(f"prompt of {S} tokens does not fit the {self.name!r} cache of "
+                                  f"{self.prompt_capacity} slots and no prompt compressor is set")
+            keep = self.compressor.select(q, k, n, self.n_sinks, self.recent_window, memo)  # [B, H, n]
+            index = keep.unsqueeze(-1).expand(B, H, n, D)
+            self.k[:, :, :n] = k.gather(2, index)
+            self.v[:, :, :n] = v.gather(2, index)
+            self.slot_pos[:, :, :n] = keep
+        self.slot_pos[:, :, n:] = -1
+        self.seen.fill_(S)
+        self.reset_state()
+        self.prefill_state(q, k, keep, memo if memo is not None else {})
+
+    def prefill_state(self, q: Tensor, k: Tensor, keep: Tensor | None, memo: dict) -> None:
+        """Seed statistics for the kept prompt tokens: keep [B, H_kv, n] positions, None = all of the prompt."""
+
+    # ---- decode --------------------------------------------------------------------------------------
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Write one token's K/V ([B, H_kv, 1, D]) at position input_pos ([1]); return all slots + mask."""
+        slot = self.choose_slot(input_pos)  # [B, H_kv]
+        B, H, _, D = k.shape
+        index = slot.view(B, H, 1, 1).expand(B, H, 1, D)
+        self.k.scatter_(2, index, k)
+        self.v.scatter_(2, index, v)
+        self.slot_pos.scatter_(2, slot.view(B, H, 1), input_pos.view(1, 1, 1).expand(B, H, 1))
+        self.seen.copy_(input_pos + 1)
+        self.on_insert(slot, k, input_pos)
+        return self.k, self.v, (self.slot_pos >= 0).unsqueeze(2)
+
+    def choose_slot(self, input_pos: Tensor) -> Tensor:
+        """Per KV head, the slot the new token goes to: an empty one, else the lowest-scored evictable one."""
+        return self.protect(self.slot_scores(input_pos), input_pos).argmin(dim=-1)
+
+    def protect(self, scores: Tensor, t: Tensor) -> Tensor:
+        """Scores with sinks and the recent window (relative to the incoming position t) at +inf, empty at -inf."""
+        pos = self.slot_pos
+        kept = (pos < self.n_sinks) | (pos > t - self.recent_window)
+        return scores.masked_fill(kept, INF).masked_fill(pos < 0, -INF)
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
+        """Reset per-slot statistics of the slots just overwritten (slot [B, H_kv]; k [B, H_kv, 1, D])."""
+
+    def observe(self, probs: Tensor) -> None:
+        """probs: [B, H_kv, g, 1, C] attention of the new query over all slots (only if needs_attention)."""
+
+    def refresh(self) -> None:
+        """Work done every `refresh_interval` steps by a separately compiled function (none by default)."""
+
+    # ---- benchmarking ----------------------------------------------------------------------------------
+    def fill_synthetic(self, seq_len: int, generator: torch.Generator | None = None) -> None:
+        """Make the cache look as if a seq_len-token sequence had been processed (random K/V, the sinks and
+        the most recent positions kept), so a decode step at that context can be timed without a prefill."""
+        n = min(seq_len, self.prompt_capacity)
+        sinks = min(self.n_sinks, n)
+        positions = torch.cat([torch.arange(sinks), torch.arange(seq_len - (n - sinks), seq_len)])
+        self.reset()
+        shape = (self.batch_size, self.n_kv_heads, n, self.head_dim)
+        self.k[:, :, :n] = torch.randn(shape, generator=generator).to(self.k)
+        self.v[:, :, :n] = torch.randn(shape, generator=generator).to(self.v)
+        self.slot_pos[:, :, :n] = positions.to(self.slot_pos)
+        self.seen.fill_(seq_len)
+        self.synthetic_state(generator)
+
+    def synthetic_state(self, generator: torch.Generator | None) -> None:
+        """Plausible statistics for fill_synthetic (zeros by default)."""
+
+    # ---- reporting (read once at the end) -----------------------------------------------------------------
+    def kept(self) -> Tensor:
+        """Valid slots per (row, KV head)."""
+        return (self.slot_pos >= 0).sum(-1)
+
+    def tokens_seen(self) -> int:
+        return int(self.seen.item())
+
+    def physical_bytes(self) -> int:
+        """Bytes of the K/V buffers (what a full cache would hold for every token)."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def overhead_bytes(self) -> int:
+        """Bytes of bookkeeping beside K/V: slot positions and the policy's statistics."""
+        return sum(b.numel() * b.element_size() for b in self.buffers()) - self.physical_bytes()

@@ -1,0 +1,89 @@
+"""Helpers for the cache tests: a tiny random model, small valid hyper-parameters per policy, a decode driver."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from cache import POLICIES, PROMPT_COMPRESSORS, CacheFactory, make_cache_factory
+from generate import Decoder, prefill
+from model import ModelArgs, Transformer
+
+# hyper-parameters small enough for sequences of a few dozen tokens (the paper defaults need thousands)
+SMALL = {"n_sinks": 2, "recent_window": 4, "history_window": 16, "drop_interval": 4, "obs_window": 4,
+         "pool_kernel": 3}
+
+
+@contextmanager
+def one_thread():
+    """Tiny tensors on 2 shared cores: one intra-op thread is ~50x faster than oversubscribed ones.
+    Test modules: `_one_thread = pytest.fixture(autouse=True)(single_thread_fixture)`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def single_thread_fixture():
+    with one_thread():
+        yield
+
+
+def tiny_args(n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 8) -> ModelArgs:
+    return ModelArgs(dim=32, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                     intermediate_size=48, vocab_size=64, max_seq_len=1024, tie_embeddings=False)
+
+
+def tiny_model(seed: int = 0, **kwargs) -> Transformer:
+    """Random weights at std 0.3 (untied), so greedy decoding produces varied tokens, not one repeated."""
+    torch.manual_seed(seed)
+    model = Transformer(tiny_args(**kwargs)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+def used_params(policy: str, prompt_compression: str | None = None) -> set[str]:
+    cls = POLICIES[policy]
+    name = prompt_compression or cls.default_prompt_compressor
+    return set(cls.params) | (set(PROMPT_COMPRESSORS[name].params) if name else set())
+
+
+def small_params(policy: str, prompt_compression: str | None = None, **override) -> dict:
+    """SMALL restricted to what the policy and its compressor use (window: capacity from the budget)."""
+    used = used_params(policy, prompt_compression)
+    params = {k: v for k, v in SMALL.items() if k in used and not (policy == "window" and k == "recent_window")}
+    params.update(override)
+    return params
+
+
+def budget_for(policy: str, kept: int, max_new_tokens: int) -> int | None:
+    """Slots so that about `kept` prompt/context tokens stay (append-only policies add a slot per new token)."""
+    if policy == "full":
+        return None
+    return kept + max_new_tokens if not POLICIES[policy].evicts else kept
+
+
+def small_factory(policy: str, batch_size: int, args: ModelArgs, prompt_len: int, max_new_tokens: int,
+                  kept: int = 16, **override) -> CacheFactory:
+    params = small_params(policy, override.pop("prompt_compression", None), **override)
+    return make_cache_factory(policy, batch_size, args, prompt_len, max_new_tokens,
+                              budget=budget_for(policy, kept, max_new_tokens), **params)
+
+
+def generate_tokens(model: Transformer, prompt: Tensor, n_new: int, decoder: Decoder | None = None,
+                    on_logits=None) -> Tensor:
+    """Greedy: reset the caches, prefill, decode n_new - 1 more tokens; [B, n_new]."""
+    decoder = decoder or Decoder(model)
+    for c in model.caches:
+        c.reset()
+    with torch.inference_mode():
+        first = prefill(model, prompt, 0.0, None)
+        rest = decoder.decode(first, prompt.shape[1], n_new - 1, on_logits=on_logits)
+    return torch.cat([first, rest], dim=1)
