@@ -319,10 +319,11 @@ class CacheFactory:
         total = self.prompt_len + self.max_new_tokens
         evicting = self.cls.evicts and total > cap
         if "recent_window" in values:
-            values["recent_window"] = cap - n_sinks if self.cls is WindowCache else resolve_count(recent, cap)
+            window_rest = max(cap - n_sinks, 1 if not evicting else 0)  # window: all that is not a sink
+            values["recent_window"] = window_rest if self.cls is WindowCache else resolve_count(recent, cap)
             recent = values["recent_window"]
         where = f" (layer {layer})" if len(set(self.capacities)) > 1 else ""
-        if evicting and cap < n_sinks + recent or self.cls is WindowCache and recent < 1:
+        if evicting and (cap < n_sinks + recent or recent < 1):
             raise KVFastError(f"--cache-budget gives {cap} slots{where}, fewer than {self.policy} needs: "
                               f"n_sinks ({n_sinks}) + recent_window ({max(recent, 1)})")
         if self.compressor_cls and self.prompt_len > prompt_cap and prompt_cap < n_sinks + max(window, recent - 1):

@@ -1,0 +1,130 @@
+"""Cache configuration from the command line: presets, flag validation (bad configs fail fast with one line),
+and the figures generate.py prints per run."""
+
+import argparse
+
+import pytest
+import torch
+from cache_testing import single_thread_fixture, tiny_args, tiny_model
+
+import cache as kvcache
+import generate
+
+_one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # about 60 tokens with the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from conftest import save_tiny_hf
+
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf_dir = tmp_path_factory.mktemp("hf")
+    save_tiny_hf(hf_dir, tie=True, rope_scaling=False)
+    return convert_hf_checkpoint(hf_dir, tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def run(capsys, checkpoint, *argv):
+    code = generate.cli(["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", "12",
+                         "--temperature", "0", "--ignore-eos", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--cache", "nosuch"], "unknown cache policy 'nosuch'"),
+    (["--cache-config", "nosuch"], "unknown cache preset 'nosuch'"),
+    (["--cache", "h2o", "--prompt-compression", "nosuch"], "unknown prompt compressor 'nosuch'"),
+    (["--cache", "knorm", "--gqa-reduce", "max"], "--gqa-reduce is not used by --cache knorm"),
+    (["--cache", "h2o", "--history-window", "5"], "--history-window is not used by --cache h2o"),
+    (["--cache-config", "h2o", "--obs-window", "5"], "--obs-window is not used by --cache h2o"),
+    (["--cache-config", "scissorhands", "--cache", "h2o"], "--history-window (set by the --cache-config preset)"),
+    (["--cache-budget", "0.5"], "--cache-budget is not used by --cache full"),
+    (["--cache", "h2o", "--pyramid-beta", "10"], "--pyramid-beta is only used with --layer-budget pyramid"),
+    (["--cache", "h2o", "--layer-budget", "wedge"], "--layer-budget must be one of uniform, pyramid, funnel"),
+    (["--cache", "snapkv", "--pool", "min"], "--pool must be one of max, avg"),
+    (["--cache", "snapkv", "--pool-kernel", "4"], "--pool-kernel must be odd"),
+    (["--cache", "h2o", "--recent-window", "2.5"], "--recent-window of 1 or more is a number of tokens"),
+    (["--cache", "h2o", "--cache-budget", "-3"], "--cache-budget must be > 0"),
+    (["--cache", "scissorhands", "--cache-budget", "9"], ("fewer than scissorhands needs: n_sinks (0) + "
+                                                         "recent_window (10)")),
+    (["--cache", "window", "--cache-budget", "4"], "fewer than window needs: n_sinks (4) + recent_window (1)"),
+    (["--cache", "h2o", "--n-sinks", "4", "--recent-window", "8", "--cache-budget", "11"], ("n_sinks (4) + "
+                                                                                          "recent_window (8)")),
+    (["--cache", "snapkv", "--cache-budget", "40"], "the n_sinks (0) + obs_window (32) that snapkv prompt"),
+    (["--cache", "scissorhands", "--cache-budget", "30"], "obs_window (32) that snapkv prompt compression"),
+    (["--cache", "snapkv", "--cache-budget", "10"], "it needs more than --max-new-tokens (12)"),
+    (["--cache", "scissorhands", "--cache-budget", "40", "--obs-window", "8", "--drop-interval", "35"],
+     "--drop-interval 35 is larger than the budget allows: at most 31 slots"),
+    (["--cache", "window", "--cache-budget", "30", "--recent-window", "20"], ("give --cache-budget or "
+                                                                              "--recent-window, not both")),
+])
+def test_bad_configs_fail_with_one_line(argv, expected, tiny_checkpoint, capsys):
+    code, out, err = run(capsys, tiny_checkpoint, *argv)
+    assert code == 2, out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
+
+
+@pytest.mark.parametrize("preset", kvcache.available_presets())
+def test_every_preset_runs(preset, tiny_checkpoint, capsys):
+    code, out, err = run(capsys, tiny_checkpoint, "--cache-config", preset)
+    assert code == 0, err
+    assert f"cache: {preset}" in out and "compression ratio" in out
+
+
+def test_a_preset_per_policy():
+    assert set(kvcache.available_presets()) == set(kvcache.POLICIES)
+    for name in kvcache.available_presets():
+        assert kvcache.load_preset(name)["cache"] == name
+
+
+def test_flags_override_the_preset_and_the_report_adds_up(tiny_checkpoint, capsys):
+    code, out, err = run(capsys, tiny_checkpoint, "--cache-config", "scissorhands", "--cache-budget", "24",
+                         "--recent-window", "4", "--obs-window", "4", "--history-window", "16",
+                         "--drop-interval", "6", "--batch-size", "2")
+    assert code == 0, err
+    assert ("cache: scissorhands + snapkv prompt compression, capacity per layer 24 slots; drop-interval 6, "
+            "gqa-reduce mean, history-window 16, n-sinks 0, recent-window 4") in out
+    report = next(line for line in out.splitlines() if line.startswith("cache: scissorhands, capacity"))
+    seen = int(report.split("tokens seen ")[1].split(",")[0])
+    assert "kept 24.0" in report and f"evicted {seen - 24:.1f}" in report
+
+
+def test_preset_files_are_validated(tmp_path):
+    good = tmp_path / "mine.yaml"
+    good.write_text("cache: h2o\nrecent-window: 0.25\ncache_budget: 0.3\n")
+    args = argparse.Namespace(cache_config=str(good), cache=None, prompt_compression=None, cache_budget=None,
+                              layer_budget=None, pyramid_beta=None, **{k: None for k in kvcache.PARAMS})
+    factory = kvcache.cache_factory_from_args(args, 1, tiny_args(), 80, 20)
+    assert factory.capacities == [30, 30] and factory.layer_values[0]["recent_window"] == 7
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cache: h2o\nrecnt_window: 3\n")
+    with pytest.raises(kvcache.KVFastError, match="unknown keys"):
+        kvcache.load_preset(str(bad))
+
+
+def test_help_lists_every_flag():
+    parser = argparse.ArgumentParser()
+    kvcache.add_cache_args(parser)
+    text = parser.format_help()
+    for flag in ("--cache", "--prompt-compression", "--cache-budget", "--layer-budget", "--pyramid-beta",
+                 "--cache-config", *(f"--{name.replace('_', '-')}" for name in kvcache.PARAMS)):
+        assert flag in text
+
+
+def test_report_counts_buffers():
+    model = tiny_model()
+    factory = kvcache.make_cache_factory("h2o", 2, model.args, 40, 10, budget=16)
+    model.setup_caches(factory)
+    with torch.inference_mode():
+        model(torch.randint(0, 64, (2, 40)))
+        for t in range(40, 49):
+            model(torch.randint(0, 64, (2, 1)), torch.tensor([t]))
+    r = kvcache.cache_report(model.caches)
+    a = model.args
+    assert (r["seen"], r["kept"], r["evicted"]) == (49, 16, 33)
+    assert r["kv_bytes"] == a.n_layers * 2 * 2 * a.n_kv_heads * 16 * a.head_dim * 4
+    assert r["full_kv_bytes"] == a.n_layers * 2 * 2 * a.n_kv_heads * 49 * a.head_dim * 4
+    assert r["compression_ratio"] == pytest.approx(49 / 16)

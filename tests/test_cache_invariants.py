@@ -1,0 +1,173 @@
+"""Invariants of every registered policy, property-tested over budgets, sinks, windows, GQA shapes, lengths and
+prompt compressors: never more valid slots than the capacity (and no empty slot once full), sinks and the
+recent window always present, positions unique and <= the current one; with capacity >= the sequence the
+logits equal the full cache's exactly; each row of a batch evicts on its own."""
+
+import pytest
+import torch
+from cache_testing import single_thread_fixture, tiny_args, tiny_model, used_params
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache import POLICIES, PROMPT_COMPRESSORS, make_cache_factory
+from generate import Decoder
+from kv.policies import FullCache
+from model import attend
+
+_one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@st.composite
+def configs(draw, policy: str):
+    """A valid configuration of `policy`: shapes, lengths, compressor, hyper-parameters and a budget."""
+    cls = POLICIES[policy]
+    compressor = None if policy == "full" else draw(st.sampled_from([None, *PROMPT_COMPRESSORS]))
+    used = used_params(policy, compressor)
+    p = {}
+    if "n_sinks" in used:
+        p["n_sinks"] = draw(st.integers(0, 3))
+    if "recent_window" in used and policy != "window":
+        p["recent_window"] = draw(st.integers(1, 6))
+    if "history_window" in used:
+        p["history_window"] = draw(st.integers(1, 12))
+    if "obs_window" in used:
+        p["obs_window"] = draw(st.integers(1, 6))
+    if "pool_kernel" in used:
+        p["pool_kernel"] = draw(st.sampled_from([1, 3, 5]))
+    if "pool" in used:
+        p["pool"] = draw(st.sampled_from(["max", "avg"]))
+    if "gqa_reduce" in used:
+        p["gqa_reduce"] = draw(st.sampled_from(["mean", "max"]))
+    if "h2o_normalize" in used:
+        p["h2o_normalize"] = draw(st.booleans())
+    prompt_len, steps = draw(st.integers(1, 40)), draw(st.integers(1, 30))
+    sinks, recent, window = p.get("n_sinks", 0), p.get("recent_window", 1), p.get("obs_window", 0)
+    if policy == "full":
+        budget = None
+    elif cls.evicts:
+        least = sinks + max(recent, window) + 1
+        budget = draw(st.integers(least, max(least, prompt_len + steps + 4)))
+    else:
+        budget = steps + draw(st.integers(max(window, 1), max(window, 1, prompt_len + 4)))
+    if "drop_interval" in used:
+        room = min(budget, prompt_len + steps) - sinks - recent + 1
+        p["drop_interval"] = draw(st.integers(1, max(1, room)))
+    shape = {"batch": draw(st.integers(1, 2)), "n_kv": draw(st.integers(1, 2)), "g": draw(st.integers(1, 3)),
+             "head_dim": draw(st.sampled_from([4, 8]))}
+    return {"shape": shape, "prompt_len": prompt_len, "steps": steps, "budget": budget, "compressor": compressor, "params": p,
+                "seed": draw(st.integers(0, 2**16))}
+
+
+def check(cache, t: int, after_prefill: bool = False) -> None:
+    """Invariants after the token at position t was written (or the prompt 0..t at prefill)."""
+    kept = cache.kept()
+    assert (kept <= cache.capacity).all()
+    window = cache.recent_window - (1 if after_prefill else 0)  # prefill: the next token completes it
+    must = set(range(min(cache.n_sinks, t + 1))) | set(range(max(0, t - window + 1), t + 1))
+    for row in cache.slot_pos:
+        for head in row:
+            pos = [p for p in head.tolist() if p >= 0]
+            assert len(pos) == len(set(pos)), "a position is cached twice"
+            assert max(pos) <= t and min(pos) >= 0
+            assert must <= set(pos), f"protected positions {sorted(must - set(pos))} missing"
+    if cache.evicts:  # one in, one out: no empty slot once full
+        assert (kept == min(t + 1, cache.capacity)).all()
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@SETTINGS
+@given(data=st.data())
+def test_cache_invariants(policy, data):
+    cfg = data.draw(configs(policy))
+    sh, S = cfg["shape"], cfg["prompt_len"]
+    args = tiny_args(n_layers=1, n_heads=sh["n_kv"] * sh["g"], n_kv_heads=sh["n_kv"], head_dim=sh["head_dim"])
+    cache = make_cache_factory(policy, sh["batch"], args, S, cfg["steps"], budget=cfg["budget"],
+                               prompt_compression=cfg["compressor"], **cfg["params"])(0)
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    B, H, Hkv, D = sh["batch"], args.n_heads, args.n_kv_heads, args.head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = randn(B, H, S, D), randn(B, Hkv, S, D)
+    cache.prefill(q, k, randn(B, Hkv, S, D))
+    check(cache, S - 1, after_prefill=True)
+    if S > cache.prompt_capacity and cache.compressor.window:  # SnapKV's observation window is kept
+        window = set(range(S - cache.compressor.window, S))
+        assert all(window <= set(head.tolist()) for row in cache.slot_pos for head in row)
+    for t in range(S, S + cfg["steps"]):
+        if cache.refresh_interval and t % cache.refresh_interval == 0:  # as generate.Decoder does
+            cache.refresh()
+        k_all, v_all, mask = cache.update(torch.tensor([t]), randn(B, Hkv, 1, D), randn(B, Hkv, 1, D))
+        _, probs = attend(randn(B, H, 1, D), k_all, v_all, mask, want_probs=cache.needs_attention)
+        if probs is not None:
+            cache.observe(probs)
+        check(cache, t)
+    assert cache.tokens_seen() == S + cfg["steps"]
+
+
+class FullWithProbs(FullCache):
+    """The full cache on the explicit-probabilities attention path, the exact reference for policies on it."""
+
+    needs_attention = True
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n_kv=st.integers(1, 2), g=st.integers(1, 2), prompt_len=st.integers(1, 20), steps=st.integers(1, 12),
+       n_sinks=st.integers(0, 2), seed=st.integers(0, 100))
+def test_no_compression_equals_full_exactly(policy, n_kv, g, prompt_len, steps, n_sinks, seed):
+    model = tiny_model(seed, n_layers=2, n_heads=n_kv * g, n_kv_heads=n_kv)
+    B, total = 2, prompt_len + steps
+    tokens = torch.randint(0, 64, (B, total + 1), generator=torch.Generator().manual_seed(seed))
+    params = {"n_sinks": n_sinks} if "n_sinks" in POLICIES[policy].params else {}
+    if "recent_window" in POLICIES[policy].params and policy != "window":
+        params["recent_window"] = 1
+    budget = None if policy == "full" else 10 * total  # clamped to the sequence: nothing is ever evicted
+
+    def logits_with(make_cache):
+        model.setup_caches(make_cache)
+        seen = []
+        with torch.inference_mode():
+            seen.append(model(tokens[:, :prompt_len]))
+            Decoder(model).decode(tokens[:, prompt_len:prompt_len + 1], prompt_len, steps,
+                                  forced=tokens[:, prompt_len + 1:], on_logits=lambda i, logits: seen.append(logits))
+        return torch.cat(seen, dim=1)
+
+    factory = make_cache_factory(policy, B, model.args, prompt_len, steps, budget=budget, **params)
+    assert all(c == total for c in factory.capacities)
+    ours = logits_with(factory)
+    a = model.args
+    reference_cls = FullWithProbs if POLICIES[policy].needs_attention else FullCache
+    reference = logits_with(lambda layer: reference_cls(B, a.n_kv_heads, a.head_dim, total, n_groups=a.n_groups))
+    assert torch.equal(ours, reference)
+    plain = logits_with(make_cache_factory("full", B, model.args, prompt_len, steps))
+    torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)  # SDPA vs explicit softmax: rounding only
+
+
+@pytest.mark.parametrize("policy", [p for p, cls in POLICIES.items() if not cls.position_only])
+def test_rows_evict_independently(policy):
+    """Two rows with different prompts keep different tokens, each exactly what it keeps when run alone."""
+    model = tiny_model(3)
+    S, steps, kept = 30, 20, 12
+    tokens = torch.randint(0, 64, (2, S + steps), generator=torch.Generator().manual_seed(5))
+    params = {k: v for k, v in {"n_sinks": 1, "recent_window": 3, "history_window": 8, "drop_interval": 4,
+                                "obs_window": 3, "pool_kernel": 3}.items() if k in used_params(policy)}
+    budget = kept + steps if not POLICIES[policy].evicts else kept
+
+    def kept_positions(rows):
+        model.setup_caches(make_cache_factory(policy, len(rows), model.args, S, steps, budget=budget, **params))
+        with torch.inference_mode():
+            model(tokens[rows, :S])
+            Decoder(model).decode(tokens[rows, S:S + 1], S, steps - 1, forced=tokens[rows, S + 1:])
+        return [[sorted(p for p in head.tolist() if p >= 0) for head in row] for c in model.caches
+                for row in c.slot_pos.unbind(0)]
+
+    both = kept_positions([0, 1])
+    n_layers = len(model.caches)
+    by_row = [[both[layer * 2 + row] for layer in range(n_layers)] for row in range(2)]
+    assert by_row[0] != by_row[1], "rows with different attention kept the same tokens"
+    # random draws per (layer, row, head): a row alone is row 0, so only row 0 can be compared there
+    for row in [0] if policy == "random" else [0, 1]:
+        assert by_row[row] == kept_positions([row]), f"row {row} kept other tokens than when run alone"

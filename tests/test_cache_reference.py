@@ -1,0 +1,249 @@
+"""Reference checks: the slot/bit/queue implementations against slow, obviously-correct versions in token space
+fed the same attention trace (Scissorhands, H2O); SnapKV's kept set against a brute force from the dense
+attention; blockwise prompt statistics against the dense ones; PyramidKV's layer budgets; TOVA's per-layer set."""
+
+import math
+
+import pytest
+import torch
+from cache_testing import single_thread_fixture, tiny_args
+
+import kv.prompt as prompt_stats
+from cache import PROMPT_COMPRESSORS, make_cache_factory
+from kv.budgets import layer_capacities
+from model import attend
+
+_one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
+B, H_KV, G, D = 2, 2, 2, 8
+
+
+def dense_attention(q, k):
+    """softmax(q k^T / sqrt(d)) with a causal mask, all S x S at once: [B, H_kv, g, S, S]."""
+    Bq, H, S, _ = q.shape
+    scores = q.view(Bq, k.shape[1], H // k.shape[1], S, -1) @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(D)
+    return torch.softmax(scores.masked_fill(torch.ones(S, S).triu(1).bool(), -math.inf), dim=-1)
+
+
+def random_qkv(S, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H_KV * G, S, D, generator=gen), torch.randn(B, H_KV, S, D, generator=gen),
+            torch.randn(B, H_KV, S, D, generator=gen))
+
+
+def decode_trace(cache, start, steps, seed):
+    """Drive a cache like the model does (refresh on schedule, update, attend, observe); yield after each step."""
+    gen = torch.Generator().manual_seed(seed)
+    for t in range(start, start + steps):
+        refreshed = bool(cache.refresh_interval) and t % cache.refresh_interval == 0
+        if refreshed:
+            cache.refresh()
+        k, v = torch.randn(B, H_KV, 1, D, generator=gen), torch.randn(B, H_KV, 1, D, generator=gen)
+        k_all, v_all, mask = cache.update(torch.tensor([t]), k, v)
+        _, probs = attend(torch.randn(B, H_KV * G, 1, D, generator=gen), k_all, v_all, mask, want_probs=True)
+        cache.observe(probs)
+        yield t, probs, refreshed
+
+
+def positions(cache, b, h):
+    return {p for p in cache.slot_pos[b, h].tolist() if p >= 0}
+
+
+# ---- Scissorhands ------------------------------------------------------------------------------------
+class SlowScissorhands:
+    """The policy as stated, over token positions: a history of (step, attention < 1/n) per token; every
+    `interval` steps, rank the evictable tokens by their fraction of low steps in the last `history` steps
+    (ties: older first) behind any empty slots; each step evicts the next in that queue."""
+
+    def __init__(self, capacity, n_sinks, recent, history, interval):
+        self.capacity, self.n_sinks, self.recent, self.history, self.interval = (capacity, n_sinks, recent,
+                                                                                 history, interval)
+        self.low: dict[int, dict[int, bool]] = {}  # token -> {step: low?}
+        self.queue: list = []
+
+    def prefill(self, kept, attention):
+        S = len(attention)
+        for i in kept:
+            self.low[i] = {j: attention[j][i] < 1 / (j + 1) for j in range(max(0, S - self.history), S) if j >= i}
+        self.t = S
+        self.refresh()
+
+    def counts(self):
+        window = range(self.t - self.history, self.t)
+        return {i: (sum(low for s, low in h.items() if s in window), sum(1 for s in h if s in window))
+                for i, h in self.low.items()}
+
+    def refresh(self):
+        counts = self.counts()
+        evictable = [i for i in self.low if i >= self.n_sinks and i <= self.t - self.recent]
+        ranked = sorted(evictable, key=lambda i: (-counts[i][0] / counts[i][1], i))
+        self.queue = (["empty"] * (self.capacity - len(self.low)) + ranked)[: self.interval]
+
+    def step(self, t, attention_of):
+        victim = self.queue.pop(0)
+        if victim != "empty":
+            del self.low[victim]
+        self.low[t] = {}
+        for i in self.low:
+            self.low[i][t] = attention_of[i] < 1 / len(self.low)
+        self.t = t + 1
+
+
+@pytest.mark.parametrize("prompt_len", [7, 20])  # empty slots at first / a compressed prompt
+def test_scissorhands_matches_slow_reference(prompt_len):
+    C, n_sinks, recent, history, m = 12, 1, 3, 6, 4
+    args = tiny_args(n_layers=1, n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
+    cache = make_cache_factory("scissorhands", B, args, prompt_len, 40, budget=C, n_sinks=n_sinks,
+                               recent_window=recent, history_window=history, drop_interval=m, obs_window=4,
+                               pool_kernel=3)(0)
+    q, k, v = random_qkv(prompt_len, 0)
+    cache.prefill(q, k, v)
+    prompt_attention = dense_attention(q, k).mean(dim=2)  # group-reduced, [B, H_kv, S, S]
+    refs = {}
+    for b in range(B):
+        for h in range(H_KV):
+            refs[b, h] = SlowScissorhands(C, n_sinks, recent, history, m)
+            refs[b, h].prefill(sorted(positions(cache, b, h)), prompt_attention[b, h].tolist())
+
+    def compare_ranking():
+        counts = cache.low_counts()
+        for (b, h), ref in refs.items():
+            slots = cache.slot_pos[b, h].tolist()
+            ref_counts = ref.counts()
+            assert {p: counts[b, h, c].item() for c, p in enumerate(slots) if p >= 0} == \
+                   {p: n for p, (n, _) in ref_counts.items()}
+            queue = [slots[c] if slots[c] >= 0 else "empty" for c in cache.queue[b, h].tolist()]
+            assert queue == ref.queue
+
+    compare_ranking()
+    for t, probs, refreshed in decode_trace(cache, prompt_len, 40, 1):
+        reduced = probs[:, :, :, 0].mean(dim=2)
+        for (b, h), ref in refs.items():
+            if refreshed:
+                ref.refresh()
+            slots = cache.slot_pos[b, h].tolist()
+            ref.step(t, {p: reduced[b, h, c].item() for c, p in enumerate(slots) if p >= 0})
+            assert positions(cache, b, h) == set(ref.low), f"step {t}: kept sets differ"
+        if (t + 1) % m == 0:
+            cache.refresh()
+            for ref in refs.values():
+                ref.refresh()
+            compare_ranking()
+
+
+# ---- H2O -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("normalize", [False, True])
+def test_h2o_matches_slow_reference(normalize):
+    C, recent, S = 10, 3, 16
+    args = tiny_args(n_layers=1, n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
+    cache = make_cache_factory("h2o", B, args, S, 30, budget=C, recent_window=recent, h2o_normalize=normalize)(0)
+    q, k, v = random_qkv(S, 2)
+    cache.prefill(q, k, v)
+    prompt = dense_attention(q, k)  # [B, H_kv, g, S, S]
+    # per token: accumulated attention of each query head (every prompt query, then every decode query)
+    acc = {(b, h): {i: prompt[b, h, :, :, i].sum(dim=1).tolist() for i in positions(cache, b, h)}
+           for b in range(B) for h in range(H_KV)}
+    for t, probs, _ in decode_trace(cache, S, 30, 3):
+        for (b, h), scores in acc.items():
+            def score(i, scores=scores, t=t):
+                value = sum(scores[i]) / G
+                return value / (t - i) if normalize else value
+            evictable = [i for i in scores if i <= t - recent]
+            if len(scores) == C:
+                del scores[min(evictable, key=score)]
+            scores[t] = [0.0] * G
+            for c, p in enumerate(cache.slot_pos[b, h].tolist()):
+                scores[p] = [s + probs[b, h, j, 0, c].item() for j, s in enumerate(scores[p])]
+            assert positions(cache, b, h) == set(scores), f"step {t}: kept sets differ"
+
+
+# ---- SnapKV ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pool,kernel,reduce", [("max", 3, "mean"), ("avg", 5, "max"), ("max", 1, "max")])
+def test_snapkv_selection_equals_brute_force(pool, kernel, reduce):
+    S, w, n, n_sinks = 30, 5, 14, 1
+    q, k, _ = random_qkv(S, 4)
+    compressor = PROMPT_COMPRESSORS["snapkv"](obs_window=w, pool_kernel=kernel, pool=pool, gqa_reduce=reduce)
+    kept = compressor.select(q, k, n, n_sinks=n_sinks, recent_window=1)
+    votes = dense_attention(q, k)[:, :, :, S - w:, : S - w].sum(dim=3).tolist()  # [B, H_kv, g, S - w]
+    for b in range(B):
+        for h in range(H_KV):
+            pooled = []
+            for j in range(G):
+                row = votes[b][h][j]
+                near = [row[max(0, i - kernel // 2): i + kernel // 2 + 1] for i in range(S - w)]
+                pooled.append([max(x) if pool == "max" else sum(x) / kernel for x in near])
+            score = [(sum(col) / G if reduce == "mean" else max(col)) for col in zip(*pooled, strict=True)]
+            protected = set(range(n_sinks)) | set(range(S - w, S))
+            rest = sorted((i for i in range(S - w) if i not in protected), key=lambda i: -score[i])
+            assert set(kept[b, h].tolist()) == protected | set(rest[: n - len(protected)])
+
+
+# ---- blockwise statistics ----------------------------------------------------------------------------------
+def test_blockwise_prompt_statistics_equal_dense(monkeypatch):
+    S = 23
+    q, k, _ = random_qkv(S, 5)
+    dense = dense_attention(q, k)
+    rows_seen = []
+    original = prompt_stats.attention_rows
+
+    def spy(q, k, start, stop):
+        rows_seen.append(stop - start)
+        return original(q, k, start, stop)
+
+    monkeypatch.setattr(prompt_stats, "attention_rows", spy)
+    monkeypatch.setattr(prompt_stats, "PREFILL_BLOCK_ELEMENTS", B * H_KV * G * S * 4)  # 4 rows at a time
+    torch.testing.assert_close(prompt_stats.column_sums(q, k), dense.sum(dim=3))
+    assert max(rows_seen) == 4, "column sums must be computed in query blocks, never S x S at once"
+    for block in (1, 3, 7):
+        torch.testing.assert_close(prompt_stats.column_sums(q, k, block_rows=block), dense.sum(dim=3))
+        low = prompt_stats.low_attention(q, k, 9, "max", block_rows=block)
+        j = torch.arange(S - 9, S).view(-1, 1)
+        expected = (dense.amax(dim=2)[:, :, S - 9:] < 1.0 / (j + 1)) & (torch.arange(S) <= j)
+        assert torch.equal(low, expected)
+    torch.testing.assert_close(prompt_stats.window_votes(q, k, 6), dense[:, :, :, S - 6:].sum(dim=3))
+    torch.testing.assert_close(prompt_stats.last_query_attention(q, k), dense[:, :, :, -1])
+
+
+def test_memo_reuses_prompt_statistics():
+    """A caller that prefills once and tries several budgets computes the statistics once."""
+    q, k, v = random_qkv(30, 6)
+    args = tiny_args(n_layers=1, n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
+    memo = {}
+    kept = []
+    for budget in (12, 16):
+        cache = make_cache_factory("h2o", B, args, 30, 4, budget=budget)(0)
+        cache.prefill(q, k, v, memo=memo)
+        kept.append(cache.kept())
+        fresh = make_cache_factory("h2o", B, args, 30, 4, budget=budget)(0)
+        fresh.prefill(q, k, v)
+        assert torch.equal(fresh.slot_pos, cache.slot_pos) and torch.equal(fresh.acc, cache.acc)
+    assert ("column_sums",) in memo and (kept[0] == 12).all() and (kept[1] == 16).all()
+
+
+# ---- budgets and per-layer sets ------------------------------------------------------------------------------
+def test_pyramid_layer_budgets_follow_pyramidkv():
+    # KVCache-Factory: min = (B - w) // beta, max = 2 (B - w) - min, steps = (max - min) // (N - 1); + window
+    assert layer_capacities("pyramid", 128, 4, 8, 1000, beta=20) == [242, 166, 90, 14]
+    assert layer_capacities("funnel", 128, 4, 8, 1000, beta=20) == [14, 90, 166, 242]
+    assert layer_capacities("uniform", 128, 4, 8, 1000) == [128] * 4
+    # no layer keeps more than the sequence: max clamps to L - w, min absorbs the rest
+    assert layer_capacities("pyramid", 128, 3, 8, 200, beta=20) == [200, 128, 56]
+    assert layer_capacities("pyramid", 128, 4, 8, 100, beta=20) == [128] * 4  # L <= B: nothing to compress
+    caps = layer_capacities("pyramid", 300, 30, 32, 4000)
+    assert caps == sorted(caps, reverse=True) and 300 * 30 <= sum(caps) < 300 * 30 + 30 * 30
+
+
+def test_pyramidkv_factory_uses_pyramid_layer_budgets():
+    factory = make_cache_factory("pyramidkv", 1, tiny_args(n_layers=4), 500, 20, budget=148, obs_window=8)
+    assert factory.layer_budget == "pyramid"
+    assert factory.prompt_capacities == layer_capacities("pyramid", 128, 4, 8, 500)
+    assert factory.capacities == [c + 20 for c in factory.prompt_capacities]
+
+
+def test_tova_keeps_one_set_per_layer():
+    args = tiny_args(n_layers=1, n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
+    cache = make_cache_factory("tova", B, args, 20, 25, budget=8)(0)
+    q, k, v = random_qkv(20, 7)
+    cache.prefill(q, k, v)
+    for _ in decode_trace(cache, 20, 25, 8):
+        assert all(positions(cache, b, 0) == positions(cache, b, h) for b in range(B) for h in range(H_KV))
+    assert positions(cache, 0, 0) != positions(cache, 1, 0)
