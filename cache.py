@@ -1,24 +1,24 @@
 """KV-cache policies: the public entry point (registries, CLI flags, presets, the per-layer cache factory).
 
-The mechanics live in the `kv/` package: kv.slots (the slot cache every policy shares), kv.policies (decode-time
-eviction, one short class per paper), kv.prompt (prompt compressors and blockwise prompt statistics),
-kv.budgets (capacities and layer schedules).
+The mechanics live in the `kv/` package: kv.slots (the slot cache every policy shares), kv.policies
+(decode-time eviction, one short class per paper), kv.prompt (prompt compressors and blockwise prompt
+statistics), kv.budgets (capacities and layer schedules).
 
 Two independent axes:
     --cache POLICY               what leaves the cache during decoding (one token in, one out per KV head)
     --prompt-compression NAME    which `capacity` prompt tokens each KV head keeps when the prompt is too long
                                  (default: the policy's partner, e.g. scissorhands + snapkv)
-plus --cache-budget (fraction of prompt + new tokens, or slots per layer), --layer-budget uniform|pyramid|funnel
-and each method's hyper-parameters (defaults from its paper). `--cache-config NAME` loads
-cache_configs/NAME.yaml; flags given on the command line override it. A flag the chosen policy and compressor
-do not use is an error.
+plus --cache-budget (fraction of prompt + new tokens, or slots per layer), --layer-budget
+uniform|pyramid|funnel and each method's hyper-parameters (defaults from its paper). `--cache-config NAME`
+loads cache_configs/NAME.yaml; flags given on the command line override it. A flag the chosen policy and
+compressor do not use is an error.
 
 Use from code (generate.py, eval.py, bench.py):
 
     add_cache_args(parser)                                 # all the flags above, with --help text
     check_cache_args(args)                                 # fail fast, before loading a model
-    make_cache = cache_factory_from_args(args, batch_size, model.args, prompt_len, max_new_tokens, dtype, device)
-    # or: make_cache = make_cache_factory("h2o", batch_size, model.args, prompt_len, max_new_tokens,
+    make_cache = cache_factory_from_args(args, batch_size, model.args, prompt_len, max_new_tokens, dtype,
+    device) # or: make_cache = make_cache_factory("h2o", batch_size, model.args, prompt_len, max_new_tokens,
     #                                      budget=0.2, recent_window=0.5, dtype=dtype, device=device)
     model.setup_caches(make_cache)                         # make_cache(layer) -> KVCache; .capacities etc.
     print("\\n".join(format_cache_report(cache_report(model.caches))))
@@ -51,8 +51,8 @@ from kv.slots import KVCache
 from model import KVFastError, ModelArgs
 
 __all__ = ["CONFIG_DIR", "POLICIES", "PROMPT_COMPRESSORS", "CacheFactory", "KVCache", "add_cache_args",
-           "cache_factory_from_args", "cache_report", "check_cache_args", "format_cache_report", "load_preset",
-           "make_cache_factory", "setup_decode_benchmark"]
+           "cache_factory_from_args", "cache_report", "check_cache_args", "format_cache_report",
+           "load_preset", "make_cache_factory", "setup_decode_benchmark"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "cache_configs"
 DEFAULT_PYRAMID_BETA = 20
@@ -65,7 +65,8 @@ def _count(name: str, value: Any) -> float | int:
         raise KVFastError(f"--{_flag(name)} must be > 0, got {value:g}")
     if value >= 1:
         if value != int(value):
-            raise KVFastError(f"--{_flag(name)} of 1 or more is a number of tokens and must be whole, got {value:g}")
+            raise KVFastError(f"--{_flag(name)} of 1 or more is a number of tokens and must be whole, "
+                              f"got {value:g}")
         return int(value)
     return float(value)
 
@@ -116,12 +117,12 @@ PARAMS: dict[str, tuple[Any, str]] = {
     "recent_window": (_count, ("most recent tokens always kept, the new one included; < 1 = fraction of the "
                                "capacity (window: 2000, h2o: 0.5, scissorhands: 10)")),
     "history_window": (_whole(1), "scissorhands: steps of attention history counted per token (400)"),
-    "drop_interval": (_count, ("scissorhands: re-rank the eviction queue every m steps; < 1 = fraction of the "
-                               "smallest layer capacity (0.5, the paper's m = 0.5 B)")),
+    "drop_interval": (_count, ("scissorhands: re-rank the eviction queue every m steps; < 1 = fraction of "
+                               "the smallest layer capacity (0.5, the paper's m = 0.5 B)")),
     "obs_window": (_whole(1), "snapkv/pyramidkv: last prompt queries that vote, always kept (32 / 8)"),
     "pool_kernel": (_odd, "snapkv/pyramidkv: 1-D pooling kernel over the votes (7)"),
     "pool": (_choice("max", "avg"), "snapkv/pyramidkv: pooling, max or avg (max)"),
-    "gqa_reduce": (_choice("mean", "max"), "reduce the scores of a KV head's query heads: mean or max (mean)"),
+    "gqa_reduce": (_choice("mean", "max"), "reduce the scores of a KV head's query heads: mean|max (mean)"),
     "h2o_normalize": (_bool, "h2o: divide accumulated attention by the number of queries that saw the token"),
 }
 GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta")
@@ -133,16 +134,17 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("KV cache")
     g.add_argument("--cache", default=None, help=f"decode-time policy: {', '.join(POLICIES)} (default full)")
     g.add_argument("--prompt-compression", default=None,
-                   help=f"prompt compressor when the prompt exceeds the capacity: {', '.join(PROMPT_COMPRESSORS)} "
-                        "(default: the policy's partner)")
+                   help=f"prompt compressor when the prompt exceeds the capacity: "
+                        f"{', '.join(PROMPT_COMPRESSORS)} (default: the policy's partner)")
     g.add_argument("--cache-budget", type=float, default=None,
-                   help="slots per layer: a fraction in (0, 1] of prompt + new tokens, or a number (> 1); the "
-                        "average over layers with --layer-budget pyramid|funnel (default: no compression)")
+                   help="slots per layer: a fraction in (0, 1] of prompt + new tokens, or a number (> 1); "
+                        "the average over layers with --layer-budget pyramid|funnel (default: all tokens)")
     g.add_argument("--layer-budget", default=None,
                    help=f"divide the budget across layers: {', '.join(LAYER_SCHEDULES)} (default uniform; "
                         "pyramid for pyramidkv)")
     g.add_argument("--pyramid-beta", type=float, default=None,
-                   help=f"pyramid/funnel: the smallest layer gets about 1/beta of the average ({DEFAULT_PYRAMID_BETA})")
+                   help="pyramid/funnel: the smallest layer gets about 1/beta of the average "
+                        f"({DEFAULT_PYRAMID_BETA})")
     for name, (_, text) in PARAMS.items():
         if name == "h2o_normalize":
             g.add_argument(f"--{_flag(name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
@@ -151,7 +153,8 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         else:
             g.add_argument(f"--{_flag(name)}", type=float, default=None, help=text)
     g.add_argument("--cache-config", default=None,
-                   help=f"YAML preset from cache_configs/ ({', '.join(available_presets())}); flags override it")
+                   help=f"YAML preset from cache_configs/ ({', '.join(available_presets())}); "
+                        "flags override it")
 
 
 def available_presets() -> list[str]:
@@ -201,7 +204,8 @@ class CacheSpec:
                    params={k: v for k, v in merged.items() if k in PARAMS}, cli=set(cli))
 
     def resolve(self) -> tuple[type[KVCache], type | None, dict[str, Any]]:
-        """Validate names, unused flags and values; return (policy class, compressor class, all parameters)."""
+        """Validate names, unused flags and values; return (policy class, compressor class, all
+        parameters)."""
         if self.policy not in POLICIES:
             raise KVFastError(f"unknown cache policy {self.policy!r} (choose from {', '.join(POLICIES)})")
         policy = POLICIES[self.policy]
@@ -212,8 +216,9 @@ class CacheSpec:
         compressor = PROMPT_COMPRESSORS[name] if name else None
         used = set(policy.params) | set(compressor.params if compressor else ())
         if policy is FullCache:
-            given = [k for k, v in (("prompt_compression", self.prompt_compression), ("cache_budget", self.budget),
-                                    ("layer_budget", self.layer_budget)) if v is not None]
+            given = [k for k, v in (("prompt_compression", self.prompt_compression),
+                                    ("cache_budget", self.budget), ("layer_budget", self.layer_budget))
+                     if v is not None]
             if given:
                 raise KVFastError(f"--{_flag(given[0])} is not used by --cache full (it never compresses)")
         if self.pyramid_beta is not None and self.schedule() == "uniform":
@@ -249,7 +254,8 @@ def check_cache_args(args: argparse.Namespace) -> None:
 def cache_factory_from_args(args: argparse.Namespace, batch_size: int, model_args: ModelArgs, prompt_len: int,
                             max_new_tokens: int, dtype: torch.dtype = torch.float32,
                             device: str | torch.device = "cpu") -> CacheFactory:
-    return CacheFactory(CacheSpec.from_args(args), batch_size, model_args, prompt_len, max_new_tokens, dtype, device)
+    spec = CacheSpec.from_args(args)
+    return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device)
 
 
 def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: ModelArgs | None = None,
@@ -257,14 +263,17 @@ def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: Mo
                        budget: float | None = None, layer_budget: str | None = None,
                        pyramid_beta: int | None = None, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu", **params: Any) -> CacheFactory:
-    """make_cache(layer) for Transformer.setup_caches; params are hyper-parameters by name (n_sinks=4, ...)."""
+    """make_cache(layer) for Transformer.setup_caches; params are hyper-parameters by name (n_sinks=4,
+    ...)."""
     given = set(params) | ({"cache_budget"} if budget is not None else set())
     spec = CacheSpec(policy, prompt_compression, budget, layer_budget, pyramid_beta, params, given)
-    return CacheFactory(spec, batch_size, model_args or ModelArgs(), prompt_len, max_new_tokens, dtype, device)
+    model_args = model_args or ModelArgs()
+    return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device)
 
 
 class CacheFactory:
-    """Resolves capacities per layer and validates them against the policy; calling it builds one layer's cache.
+    """Resolves capacities per layer and validates them against the policy; calling it builds one layer's
+    cache.
 
     Attributes: policy, prompt_compression, layer_budget, capacities / prompt_capacities (per layer),
     values (the resolved hyper-parameters)."""
@@ -299,13 +308,14 @@ class CacheFactory:
             else:
                 average = resolve_capacity(spec.budget, total)
                 protected = n_sinks + max(resolve_count(recent, average), window)
-            caps = layer_capacities(self.layer_budget, average, n_layers, min(protected, average), total, beta)
+            protected = min(protected, average)
+            caps = layer_capacities(self.layer_budget, average, n_layers, protected, total, beta)
             self.capacities = self.prompt_capacities = [min(c, total) for c in caps]
         else:  # append-only: the prompt gets the budget minus one slot per new token
             average = resolve_capacity(spec.budget, total)
             if average - max_new_tokens < 1:
-                raise KVFastError(f"--cache-budget gives {average} slots but {self.policy} keeps every new token: "
-                                  f"it needs more than --max-new-tokens ({max_new_tokens})")
+                raise KVFastError(f"--cache-budget gives {average} slots but {self.policy} keeps every new "
+                                  f"token: it needs more than --max-new-tokens ({max_new_tokens})")
             caps = layer_capacities(self.layer_budget, average - max_new_tokens, n_layers,
                                     min(window, average - max_new_tokens), prompt_len, beta)
             self.prompt_capacities = [min(c, prompt_len) if prompt_len else c for c in caps]
@@ -313,7 +323,8 @@ class CacheFactory:
         self.layer_values = [self._layer_values(layer, n_sinks, recent, window) for layer in range(n_layers)]
 
     def _layer_values(self, layer: int, n_sinks: int, recent: float, window: int) -> dict[str, Any]:
-        """The policy's hyper-parameters for one layer, windows resolved to tokens, checked against capacity."""
+        """The policy's hyper-parameters for one layer, windows resolved to tokens, checked against
+        capacity."""
         cap, prompt_cap = self.capacities[layer], self.prompt_capacities[layer]
         values = {k: v for k, v in self.values.items() if k in self.cls.params}
         total = self.prompt_len + self.max_new_tokens
@@ -326,24 +337,28 @@ class CacheFactory:
         if evicting and (cap < n_sinks + recent or recent < 1):
             raise KVFastError(f"--cache-budget gives {cap} slots{where}, fewer than {self.policy} needs: "
                               f"n_sinks ({n_sinks}) + recent_window ({max(recent, 1)})")
-        if self.compressor_cls and self.prompt_len > prompt_cap and prompt_cap < n_sinks + max(window, recent - 1):
+        compresses = self.compressor_cls is not None and self.prompt_len > prompt_cap
+        if compresses and prompt_cap < n_sinks + max(window, recent - 1):
             kept = f"n_sinks ({n_sinks}) + " + (f"obs_window ({window})" if window >= recent - 1 else
                                                  f"recent_window - 1 ({recent - 1})")
-            raise KVFastError(f"--cache-budget leaves {prompt_cap} prompt slots{where}, fewer than the {kept} "
-                              f"that {self.prompt_compression} prompt compression always keeps")
+            raise KVFastError(f"--cache-budget leaves {prompt_cap} prompt slots{where}, fewer than the "
+                              f"{kept} that {self.prompt_compression} prompt compression always keeps")
         if "drop_interval" in values:
             values["drop_interval"] = self._drop_interval(n_sinks)
         return values
 
     def _drop_interval(self, n_sinks: int) -> int:
-        """One re-ranking interval for all layers (generate.Decoder reads layer 0's), checked against each layer:
-        at most C - n_sinks - (recent_window - 1) slots are evictable at a refresh, and the queue holds m."""
+        """One re-ranking interval for all layers (generate.Decoder reads layer 0's), checked against each
+        layer: at most C - n_sinks - (recent_window - 1) slots are evictable at a refresh, and the queue holds
+        m."""
         smallest = min(self.capacities)
         m = resolve_count(self.values["drop_interval"], smallest)
-        room = min(c - n_sinks - (resolve_count(self.values["recent_window"], c) - 1) for c in self.capacities)
+        recent = self.values["recent_window"]
+        room = min(c - n_sinks - (resolve_count(recent, c) - 1) for c in self.capacities)
         if self.cls.evicts and self.prompt_len + self.max_new_tokens > smallest and m > room:
-            raise KVFastError(f"--drop-interval {m} is larger than the budget allows: at most {room} slots are "
-                              f"evictable between refreshes (capacity {smallest} - n_sinks - recent window + 1)")
+            raise KVFastError(f"--drop-interval {m} is larger than the budget allows: at most {room} slots "
+                              f"are evictable between refreshes (capacity {smallest} - n_sinks - recent "
+                              "window + 1)")
         return min(m, smallest)
 
     def __call__(self, layer: int) -> KVCache:
@@ -362,7 +377,7 @@ class CacheFactory:
         cap = str(caps[0]) if len(caps) == 1 else f"{caps[0]}..{caps[-1]} ({self.layer_budget})"
         params = ", ".join(f"{_flag(k)} {v}" for k, v in sorted(self.layer_values[0].items()))
         comp = f" + {self.prompt_compression} prompt compression" if self.prompt_compression else ""
-        return f"cache: {self.policy}{comp}, capacity per layer {cap} slots" + (f"; {params}" if params else "")
+        return f"cache: {self.policy}{comp}, capacity per layer {cap} slots" + (f"; {params}" * bool(params))
 
 
 # ---- reporting ------------------------------------------------------------------------------------------
@@ -371,7 +386,8 @@ def cache_report(caches: list[KVCache]) -> dict[str, Any]:
     seen = max(c.tokens_seen() for c in caches)
     kept = sum(c.kept().float().mean().item() for c in caches) / len(caches)
     kv_bytes = sum(c.physical_bytes() for c in caches)
-    full_bytes = sum(2 * c.k.shape[0] * c.k.shape[1] * seen * c.k.shape[3] * c.k.element_size() for c in caches)
+    # what a full cache would hold for the same tokens: 2 (K and V) x B x H_kv x seen x D per layer
+    full_bytes = sum(2 * c.k[:, :, :1].numel() * seen * c.k.element_size() for c in caches)
     return {"policy": caches[0].name, "capacities": [c.capacity for c in caches], "seen": seen, "kept": kept,
             "evicted": seen - kept, "kv_bytes": kv_bytes, "full_kv_bytes": full_bytes,
             "overhead_bytes": sum(c.overhead_bytes() for c in caches),
@@ -391,9 +407,10 @@ def format_cache_report(r: dict[str, Any]) -> list[str]:
 
 def setup_decode_benchmark(model: torch.nn.Module, policy: str, context_len: int, max_new_tokens: int = 1,
                            batch_size: int = 1, seed: int = 0, **kwargs: Any) -> CacheFactory:
-    """Install `policy` caches on `model` as if `context_len` tokens had been processed (random K/V, statistics
-    plausible), so a decode step at that context can be timed without a prefill. kwargs: make_cache_factory's
-    (budget=..., layer_budget=..., hyper-parameters). The next decode position is `context_len`."""
+    """Install `policy` caches on `model` as if `context_len` tokens had been processed (random K/V,
+    statistics plausible), so a decode step at that context can be timed without a prefill. kwargs:
+    make_cache_factory's (budget=..., layer_budget=..., hyper-parameters). The next decode position is
+    `context_len`."""
     p = next(model.parameters())
     factory = make_cache_factory(policy, batch_size, model.args, context_len, max_new_tokens, dtype=p.dtype,
                                  device=p.device, **kwargs)

@@ -31,11 +31,12 @@ class FullCache(KVCache):
 
 
 class WindowCache(KVCache):
-    """StreamingLLM (Xiao et al., ICLR 2024, arXiv:2309.17453): n_sinks first tokens + a rolling recent window.
+    """StreamingLLM (Xiao et al., ICLR 2024, arXiv:2309.17453): the first n_sinks tokens + a recent window.
 
-    Capacity = n_sinks + recent_window (or --cache-budget, the window then being the rest). Deviation: keys keep
-    their original RoPE positions (gaps after eviction) instead of the paper's pos-shift, which re-rotates the
-    cache to positions 0..C-1 at every step; defaults are examples/run_streaming_llama.py's (4 + 2000)."""
+    Capacity = n_sinks + recent_window (or --cache-budget, the window then being the rest). Deviation: keys
+    keep their original RoPE positions (gaps after eviction) instead of the paper's pos-shift, which
+    re-rotates the cache to positions 0..C-1 at every step. Defaults: 4 + 2000 (run_streaming_llama.py).
+    """
 
     name = "window"
     position_only = True
@@ -66,12 +67,12 @@ class H2OCache(KVCache):
     """H2O (Zhang et al., NeurIPS 2023, arXiv:2306.14048): evict the lowest accumulated attention, the recent
     window kept. Scores sum every query that saw the token, prompt queries included (computed in query blocks
     at prefill); h2o_normalize divides by their number (kvpress ObservedAttention, against the early-token
-    bias). Defaults: heavy hitters and recent window split the budget in half (the paper's 0.1 + 0.1); no sinks.
-    """
+    bias). Defaults: heavy hitters and recent window halve the budget (the paper's 0.1 + 0.1); no sinks."""
 
     name = "h2o"
     needs_attention = True
-    params: ClassVar[dict[str, Any]] = {"n_sinks": 0, "recent_window": 0.5, "h2o_normalize": False, "gqa_reduce": "mean"}
+    params: ClassVar[dict[str, Any]] = {
+        "n_sinks": 0, "recent_window": 0.5, "h2o_normalize": False, "gqa_reduce": "mean"}
     default_prompt_compressor = "h2o"
 
     def init_state(self) -> None:
@@ -104,16 +105,17 @@ class ScissorhandsCache(KVCache):
     often below uniform (1 / number of valid slots) over the last history_window steps; recent window kept.
 
     Each step records one bit per slot (a ring of history_window bits, bit-packed); every drop_interval steps
-    refresh() re-ranks the evictable slots by their fraction of low-attention steps (ties: older first) into an
-    eviction queue that the next steps pop, one token in and one out. Deviation: the paper drops m = 0.5 B
+    refresh() re-ranks the evictable slots by their fraction of low-attention steps (ties: older first) into
+    an eviction queue that the next steps pop, one token in and one out. Deviation: the paper drops m = 0.5 B
     tokens at once when the cache overflows; here the same m worst tokens are chosen at once but leave one per
-    step, so memory never exceeds the budget and no slot is ever empty. The prompt's last history_window queries
-    seed the record. GQA: the group's attention is reduced (mean) before the threshold. No sinks (paper)."""
+    step, so memory never exceeds the budget and no slot is ever empty. The prompt's last history_window
+    queries seed the record. GQA: the group's attention is reduced (--gqa-reduce) before the threshold. No
+    sinks."""
 
     name = "scissorhands"
     needs_attention = True
-    params: ClassVar[dict[str, Any]] = {"n_sinks": 0, "recent_window": 10, "history_window": 400, "drop_interval": 0.5,
-              "gqa_reduce": "mean"}
+    params: ClassVar[dict[str, Any]] = {
+        "n_sinks": 0, "recent_window": 10, "history_window": 400, "drop_interval": 0.5, "gqa_reduce": "mean"}
     default_prompt_compressor = "snapkv"
 
     def init_state(self) -> None:
@@ -122,6 +124,10 @@ class ScissorhandsCache(KVCache):
         self.add_state("low_bits", (B, H, C, (self.history_window + 7) // 8), torch.uint8)
         self.add_state("queue", (B, H, self.drop_interval), torch.long)
         self.add_state("queue_next", (1,), torch.long)
+
+    def reset_state(self) -> None:
+        super().reset_state()
+        self.refresh()  # a valid queue (the empty slots in order) even before any prefill
 
     def low_counts(self) -> Tensor:
         """Low-attention steps in the window, per slot: popcount of the ring."""
@@ -166,7 +172,8 @@ class ScissorhandsCache(KVCache):
         S = k.shape[2]
         n = min(S, self.prompt_capacity)
         low = gather_tokens(low_attention(q, k, self.history_window, self.gqa_reduce, memo), keep, n)
-        ring = torch.zeros(low.shape[:2] + (n, self.low_bits.shape[-1] * 8), dtype=torch.bool, device=k.device)
+        ring_shape = (*low.shape[:2], n, self.low_bits.shape[-1] * 8)
+        ring = torch.zeros(ring_shape, dtype=torch.bool, device=k.device)
         columns = torch.arange(S - low.shape[2], S, device=k.device) % self.history_window
         ring[..., columns] = low.transpose(2, 3)
         weights = 2 ** torch.arange(8, device=k.device)
@@ -174,14 +181,16 @@ class ScissorhandsCache(KVCache):
         self.refresh()
 
     def synthetic_state(self, generator: torch.Generator | None) -> None:
-        self.low_bits.copy_(torch.randint(0, 256, self.low_bits.shape, generator=generator, dtype=torch.uint8))
+        bits = torch.randint(0, 256, self.low_bits.shape, generator=generator, dtype=torch.uint8)
+        self.low_bits.copy_(bits)
         self.refresh()
 
 
 class TOVACache(KVCache):
     """TOVA (Oren et al., EMNLP 2024, arXiv:2401.06104): evict the token the newest query attended least,
-    attention averaged over all heads of the layer (one kept set per layer, as long as the KV heads' slots hold
-    the same tokens; if a per-head prompt compressor misaligned them, the mean over each KV head's group)."""
+    attention averaged over all heads of the layer (one kept set per layer, as long as the KV heads' slots
+    hold the same tokens; if a per-head prompt compressor misaligned them: the mean over each KV group).
+    """
 
     name = "tova"
     needs_attention = True
@@ -236,9 +245,10 @@ class KNormCache(KVCache):
 
 
 class SnapKVCache(KVCache):
-    """SnapKV (Li et al., NeurIPS 2024, arXiv:2404.14469): the prompt is compressed once at prefill (observation
-    window votes); decoded tokens are appended and never evicted, so --cache-budget is the prompt's budget plus
-    max new tokens. Outside the paper: if a sequence ever outgrows the capacity, the oldest token leaves."""
+    """SnapKV (Li et al., NeurIPS 2024, arXiv:2404.14469): the prompt is compressed once at prefill
+    (observation window votes); decoded tokens are appended and never evicted, so --cache-budget is the
+    prompt's budget plus max new tokens. Outside the paper: if a sequence ever outgrows the capacity, the
+    oldest token leaves."""
 
     name = "snapkv"
     evicts = False
@@ -249,7 +259,7 @@ class SnapKVCache(KVCache):
 
 
 class PyramidKVCache(SnapKVCache):
-    """PyramidKV (Cai et al., arXiv:2406.02069): SnapKV with pyramid layer budgets (more slots in lower layers)."""
+    """PyramidKV (Cai et al., arXiv:2406.02069): SnapKV under pyramid layer budgets (lower layers: more)."""
 
     name = "pyramidkv"
     default_prompt_compressor = "pyramidkv"

@@ -100,9 +100,9 @@ def low_attention(q: Tensor, k: Tensor, window: int, gqa_reduce: str, memo: dict
 def key_norm_rank(norm: Tensor, pos: Tensor) -> Tensor:
     """KNorm's ranking, higher = kept: lower L2 norm first, compared at fp16 precision, then the newer token.
 
-    A repeated token has the same key norm at every position (RoPE preserves norms), so exact comparisons would
-    hinge on rounding noise that differs between eager and compiled kernels; fp16 buckets plus an explicit
-    tie-break make the choice reproducible. fp16 bits of a non-negative float are ordered like the float."""
+    A repeated token has the same key norm at every position (RoPE preserves norms), so exact comparisons
+    would hinge on rounding noise that differs between eager and compiled kernels; fp16 buckets plus an
+    explicit tie-break make it reproducible (fp16 bits of a non-negative float sort like the float)."""
     bits = norm.half().view(torch.int16).long()
     return (pos - (bits << 32)).double()
 
@@ -168,8 +168,8 @@ class RandomPrompt(PromptCompressor):
 
 
 class H2OPrompt(PromptCompressor):
-    """H2O at prefill (KVCache-Factory's H2OKVCluster): accumulated attention of all prompt queries, computed in
-    query blocks; with h2o_normalize divided by the number of queries that saw each token (S - i)."""
+    """H2O at prefill (KVCache-Factory's H2OKVCluster): accumulated attention of all prompt queries, computed
+    in query blocks; with h2o_normalize divided by the number of queries that saw each token (S - i)."""
 
     name = "h2o"
     params: ClassVar[dict[str, Any]] = {"h2o_normalize": False, "gqa_reduce": "mean"}
@@ -183,13 +183,15 @@ class H2OPrompt(PromptCompressor):
 
 
 class SnapKVPrompt(PromptCompressor):
-    """SnapKV (Li et al., NeurIPS 2024, arXiv:2404.14469): the last obs_window queries vote (attention summed),
-    the votes are 1-D pooled (stride 1, padding k // 2), top-k per KV head, the window itself always kept.
-    GQA: pooled per query head, then reduced over the group (kvpress's order); the official code instead keeps
-    one cache per query head. Defaults: the paper's LongBench configs (w = 32, kernel 7, max pooling)."""
+    """SnapKV (Li et al., NeurIPS 2024, arXiv:2404.14469): the last obs_window queries vote (attention
+    summed), the votes are 1-D pooled (stride 1, padding k // 2), top-k per KV head, the window itself always
+    kept. GQA: pooled per query head, then reduced over the group (kvpress's order); the official code instead
+    keeps one cache per query head. Defaults: the paper's LongBench configs (w = 32, kernel 7, max pooling).
+    """
 
     name = "snapkv"
-    params: ClassVar[dict[str, Any]] = {"obs_window": 32, "pool_kernel": 7, "pool": "max", "gqa_reduce": "mean"}
+    params: ClassVar[dict[str, Any]] = {
+        "obs_window": 32, "pool_kernel": 7, "pool": "max", "gqa_reduce": "mean"}
     window_param = "obs_window"
 
     def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
@@ -208,7 +210,8 @@ class PyramidKVPrompt(SnapKVPrompt):
     pyramid, beta 20). Defaults from its reference run_longbench.py: w = 8, kernel 7, max pooling."""
 
     name = "pyramidkv"
-    params: ClassVar[dict[str, Any]] = {"obs_window": 8, "pool_kernel": 7, "pool": "max", "gqa_reduce": "mean"}
+    params: ClassVar[dict[str, Any]] = {
+        "obs_window": 8, "pool_kernel": 7, "pool": "max", "gqa_reduce": "mean"}
 
 
 class KNormPrompt(PromptCompressor):

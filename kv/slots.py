@@ -58,7 +58,7 @@ def row_head_salt(batch_size: int, n_heads: int, layer: int, device: str | torch
 
 
 def gather_tokens(x: Tensor, keep: Tensor | None, n: int) -> Tensor:
-    """x [..., S] per-token statistics -> [..., n] for the kept positions keep [B, H_kv, n] (None = the first n).
+    """Per-token statistics x [..., S] -> [..., n] at the kept positions keep [B, H_kv, n] (None: first n).
 
     x has the [B, H_kv] leading dims of keep, possibly with extra dims in between (e.g. g)."""
     if keep is None:
@@ -95,7 +95,8 @@ class KVCache(nn.Module):
             raise KVFastError(f"cache policy {self.name!r} does not use {sorted(unknown)}")
         for key, default in self.params.items():
             setattr(self, key, params.get(key, default))
-        self.batch_size, self.n_kv_heads, self.head_dim, self.n_groups = batch_size, n_kv_heads, head_dim, n_groups
+        self.batch_size, self.n_kv_heads, self.head_dim = batch_size, n_kv_heads, head_dim
+        self.n_groups = n_groups
         self.capacity = capacity
         self.prompt_capacity = capacity if prompt_capacity is None else prompt_capacity
         self.compressor = compressor
@@ -126,7 +127,7 @@ class KVCache(nn.Module):
             getattr(self, name).fill_(fill)
 
     def reset(self) -> None:
-        """Empty the cache for a new sequence, reusing the buffers (their identity matters to compiled code)."""
+        """Empty the cache for a new sequence, reusing the buffers (compiled code holds on to them)."""
         self.slot_pos.fill_(-1)
         self.seen.zero_()
         self.reset_state()
@@ -161,7 +162,7 @@ class KVCache(nn.Module):
         self.prefill_state(q, k, keep, memo if memo is not None else {})
 
     def prefill_state(self, q: Tensor, k: Tensor, keep: Tensor | None, memo: dict) -> None:
-        """Seed statistics for the kept prompt tokens: keep [B, H_kv, n] positions, None = all of the prompt."""
+        """Seed the statistics of the kept prompt tokens (keep: [B, H_kv, n] positions, None = all)."""
 
     # ---- decode --------------------------------------------------------------------------------------
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -181,7 +182,7 @@ class KVCache(nn.Module):
         return self.protect(self.slot_scores(input_pos), input_pos).argmin(dim=-1)
 
     def protect(self, scores: Tensor, t: Tensor) -> Tensor:
-        """Scores with sinks and the recent window (relative to the incoming position t) at +inf, empty at -inf."""
+        """Scores with sinks and the recent window (before the incoming position t) at +inf, empty at -inf."""
         pos = self.slot_pos
         kept = (pos < self.n_sinks) | (pos > t - self.recent_window)
         return scores.masked_fill(kept, INF).masked_fill(pos < 0, -INF)

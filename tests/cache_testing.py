@@ -1,4 +1,5 @@
-"""Helpers for the cache tests: a tiny random model, small valid hyper-parameters per policy, a decode driver."""
+"""Helpers for the cache tests: a tiny random model, small valid hyper-parameters per policy, a decode
+driver."""
 
 from __future__ import annotations
 
@@ -58,13 +59,16 @@ def used_params(policy: str, prompt_compression: str | None = None) -> set[str]:
 def small_params(policy: str, prompt_compression: str | None = None, **override) -> dict:
     """SMALL restricted to what the policy and its compressor use (window: capacity from the budget)."""
     used = used_params(policy, prompt_compression)
-    params = {k: v for k, v in SMALL.items() if k in used and not (policy == "window" and k == "recent_window")}
+    if policy == "window":
+        used.discard("recent_window")
+    params = {k: v for k, v in SMALL.items() if k in used}
     params.update(override)
     return params
 
 
 def budget_for(policy: str, kept: int, max_new_tokens: int) -> int | None:
-    """Slots so that about `kept` prompt/context tokens stay (append-only policies add a slot per new token)."""
+    """Slots so that about `kept` prompt/context tokens stay (append-only policies add a slot per new
+    token)."""
     if policy == "full":
         return None
     return kept + max_new_tokens if not POLICIES[policy].evicts else kept

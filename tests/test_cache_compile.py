@@ -1,5 +1,5 @@
-"""Every registered policy under torch.compile(fullgraph=True): same tokens as eager, no recompilation over 256
-decode steps after warm-up (Scissorhands' separately compiled refresh included)."""
+"""Every registered policy under torch.compile(fullgraph=True): same tokens as eager, no recompilation over
+256 decode steps after warm-up (Scissorhands' separately compiled refresh included)."""
 
 import pytest
 import torch

@@ -39,7 +39,7 @@ def run(capsys, checkpoint, *argv):
     (["--cache", "knorm", "--gqa-reduce", "max"], "--gqa-reduce is not used by --cache knorm"),
     (["--cache", "h2o", "--history-window", "5"], "--history-window is not used by --cache h2o"),
     (["--cache-config", "h2o", "--obs-window", "5"], "--obs-window is not used by --cache h2o"),
-    (["--cache-config", "scissorhands", "--cache", "h2o"], "--history-window (set by the --cache-config preset)"),
+    (["--cache-config", "scissorhands", "--cache", "h2o"], "--history-window (set by the --cache-config"),
     (["--cache-budget", "0.5"], "--cache-budget is not used by --cache full"),
     (["--cache", "h2o", "--pyramid-beta", "10"], "--pyramid-beta is only used with --layer-budget pyramid"),
     (["--cache", "h2o", "--layer-budget", "wedge"], "--layer-budget must be one of uniform, pyramid, funnel"),
@@ -47,18 +47,17 @@ def run(capsys, checkpoint, *argv):
     (["--cache", "snapkv", "--pool-kernel", "4"], "--pool-kernel must be odd"),
     (["--cache", "h2o", "--recent-window", "2.5"], "--recent-window of 1 or more is a number of tokens"),
     (["--cache", "h2o", "--cache-budget", "-3"], "--cache-budget must be > 0"),
-    (["--cache", "scissorhands", "--cache-budget", "9"], ("fewer than scissorhands needs: n_sinks (0) + "
-                                                         "recent_window (10)")),
-    (["--cache", "window", "--cache-budget", "4"], "fewer than window needs: n_sinks (4) + recent_window (1)"),
-    (["--cache", "h2o", "--n-sinks", "4", "--recent-window", "8", "--cache-budget", "11"], ("n_sinks (4) + "
-                                                                                          "recent_window (8)")),
+    (["--cache", "scissorhands", "--cache-budget", "9"], "needs: n_sinks (0) + recent_window (10)"),
+    (["--cache", "window", "--cache-budget", "4"], "window needs: n_sinks (4) + recent_window (1)"),
+    (["--cache", "h2o", "--n-sinks", "4", "--recent-window", "8", "--cache-budget", "11"],
+     "h2o needs: n_sinks (4) + recent_window (8)"),
     (["--cache", "snapkv", "--cache-budget", "40"], "the n_sinks (0) + obs_window (32) that snapkv prompt"),
     (["--cache", "scissorhands", "--cache-budget", "30"], "obs_window (32) that snapkv prompt compression"),
     (["--cache", "snapkv", "--cache-budget", "10"], "it needs more than --max-new-tokens (12)"),
     (["--cache", "scissorhands", "--cache-budget", "40", "--obs-window", "8", "--drop-interval", "35"],
      "--drop-interval 35 is larger than the budget allows: at most 31 slots"),
-    (["--cache", "window", "--cache-budget", "30", "--recent-window", "20"], ("give --cache-budget or "
-                                                                              "--recent-window, not both")),
+    (["--cache", "window", "--cache-budget", "30", "--recent-window", "20"],
+     "give --cache-budget or --recent-window, not both"),
 ])
 def test_bad_configs_fail_with_one_line(argv, expected, tiny_checkpoint, capsys):
     code, out, err = run(capsys, tiny_checkpoint, *argv)

@@ -1,5 +1,5 @@
-"""Invariants of every registered policy, property-tested over budgets, sinks, windows, GQA shapes, lengths and
-prompt compressors: never more valid slots than the capacity (and no empty slot once full), sinks and the
+"""Invariants of every registered policy, property-tested over budgets, sinks, windows, GQA shapes, lengths
+and prompt compressors: never more valid slots than the capacity (and no empty slot once full), sinks and the
 recent window always present, positions unique and <= the current one; with capacity >= the sequence the
 logits equal the full cache's exactly; each row of a batch evicts on its own."""
 
@@ -15,7 +15,8 @@ from kv.policies import FullCache
 from model import attend
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @st.composite
@@ -55,8 +56,8 @@ def configs(draw, policy: str):
         p["drop_interval"] = draw(st.integers(1, max(1, room)))
     shape = {"batch": draw(st.integers(1, 2)), "n_kv": draw(st.integers(1, 2)), "g": draw(st.integers(1, 3)),
              "head_dim": draw(st.sampled_from([4, 8]))}
-    return {"shape": shape, "prompt_len": prompt_len, "steps": steps, "budget": budget, "compressor": compressor, "params": p,
-                "seed": draw(st.integers(0, 2**16))}
+    return {"shape": shape, "prompt_len": prompt_len, "steps": steps, "budget": budget,
+            "compressor": compressor, "params": p, "seed": draw(st.integers(0, 2**16))}
 
 
 def check(cache, t: int, after_prefill: bool = False) -> None:
@@ -132,7 +133,8 @@ def test_no_compression_equals_full_exactly(policy, n_kv, g, prompt_len, steps, 
         with torch.inference_mode():
             seen.append(model(tokens[:, :prompt_len]))
             Decoder(model).decode(tokens[:, prompt_len:prompt_len + 1], prompt_len, steps,
-                                  forced=tokens[:, prompt_len + 1:], on_logits=lambda i, logits: seen.append(logits))
+                                  forced=tokens[:, prompt_len + 1:],
+                                  on_logits=lambda i, logits: seen.append(logits))
         return torch.cat(seen, dim=1)
 
     factory = make_cache_factory(policy, B, model.args, prompt_len, steps, budget=budget, **params)
@@ -140,7 +142,7 @@ def test_no_compression_equals_full_exactly(policy, n_kv, g, prompt_len, steps, 
     ours = logits_with(factory)
     a = model.args
     reference_cls = FullWithProbs if POLICIES[policy].needs_attention else FullCache
-    reference = logits_with(lambda layer: reference_cls(B, a.n_kv_heads, a.head_dim, total, n_groups=a.n_groups))
+    reference = logits_with(lambda _: reference_cls(B, a.n_kv_heads, a.head_dim, total, n_groups=a.n_groups))
     assert torch.equal(ours, reference)
     plain = logits_with(make_cache_factory("full", B, model.args, prompt_len, steps))
     torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)  # SDPA vs explicit softmax: rounding only
@@ -157,7 +159,8 @@ def test_rows_evict_independently(policy):
     budget = kept + steps if not POLICIES[policy].evicts else kept
 
     def kept_positions(rows):
-        model.setup_caches(make_cache_factory(policy, len(rows), model.args, S, steps, budget=budget, **params))
+        factory = make_cache_factory(policy, len(rows), model.args, S, steps, budget=budget, **params)
+        model.setup_caches(factory)
         with torch.inference_mode():
             model(tokens[rows, :S])
             Decoder(model).decode(tokens[rows, S:S + 1], S, steps - 1, forced=tokens[rows, S + 1:])

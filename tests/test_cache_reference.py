@@ -1,6 +1,7 @@
-"""Reference checks: the slot/bit/queue implementations against slow, obviously-correct versions in token space
-fed the same attention trace (Scissorhands, H2O); SnapKV's kept set against a brute force from the dense
-attention; blockwise prompt statistics against the dense ones; PyramidKV's layer budgets; TOVA's per-layer set."""
+"""Reference checks: the slot/bit/queue implementations against slow, obviously-correct versions in token
+space fed the same attention trace (Scissorhands, H2O); SnapKV's kept set against a brute force from the dense
+attention; blockwise prompt statistics against the dense ones; PyramidKV's layer budgets; TOVA's per-layer
+set."""
 
 import math
 
@@ -31,7 +32,8 @@ def random_qkv(S, seed):
 
 
 def decode_trace(cache, start, steps, seed):
-    """Drive a cache like the model does (refresh on schedule, update, attend, observe); yield after each step."""
+    """Drive a cache like the model does (refresh on schedule, update, attend, observe); yield after each
+    step."""
     gen = torch.Generator().manual_seed(seed)
     for t in range(start, start + steps):
         refreshed = bool(cache.refresh_interval) and t % cache.refresh_interval == 0
@@ -63,7 +65,8 @@ class SlowScissorhands:
     def prefill(self, kept, attention):
         S = len(attention)
         for i in kept:
-            self.low[i] = {j: attention[j][i] < 1 / (j + 1) for j in range(max(0, S - self.history), S) if j >= i}
+            recorded = range(max(0, S - self.history, i), S)  # the last queries that saw token i
+            self.low[i] = {j: attention[j][i] < 1 / (j + 1) for j in recorded}
         self.t = S
         self.refresh()
 
@@ -135,7 +138,9 @@ def test_scissorhands_matches_slow_reference(prompt_len):
 def test_h2o_matches_slow_reference(normalize):
     C, recent, S = 10, 3, 16
     args = tiny_args(n_layers=1, n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
-    cache = make_cache_factory("h2o", B, args, S, 30, budget=C, recent_window=recent, h2o_normalize=normalize)(0)
+    factory = make_cache_factory("h2o", B, args, S, 30, budget=C, recent_window=recent,
+                                 h2o_normalize=normalize)
+    cache = factory(0)
     q, k, v = random_qkv(S, 2)
     cache.prefill(q, k, v)
     prompt = dense_attention(q, k)  # [B, H_kv, g, S, S]
@@ -219,7 +224,7 @@ def test_memo_reuses_prompt_statistics():
     assert ("column_sums",) in memo and (kept[0] == 12).all() and (kept[1] == 16).all()
 
 
-# ---- budgets and per-layer sets ------------------------------------------------------------------------------
+# ---- budgets and per-layer sets ----------------------------------------------------------------------------
 def test_pyramid_layer_budgets_follow_pyramidkv():
     # KVCache-Factory: min = (B - w) // beta, max = 2 (B - w) - min, steps = (max - min) // (N - 1); + window
     assert layer_capacities("pyramid", 128, 4, 8, 1000, beta=20) == [242, 166, 90, 14]
