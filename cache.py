@@ -118,7 +118,8 @@ PARAMS: dict[str, tuple[Any, str]] = {
                                "capacity (window: 2000, h2o: 0.5, scissorhands: 10)")),
     "history_window": (_whole(1), "scissorhands: steps of attention history counted per token (400)"),
     "drop_interval": (_count, ("scissorhands: re-rank the eviction queue every m steps; < 1 = fraction of "
-                               "the smallest layer capacity (0.5, the paper's m = 0.5 B)")),
+                               "the smallest layer capacity, at most what is evictable (0.5: the paper's "
+                               "m = 0.5 B)")),
     "obs_window": (_whole(1), "snapkv/pyramidkv: last prompt queries that vote, always kept (32 / 8)"),
     "pool_kernel": (_odd, "snapkv/pyramidkv: 1-D pooling kernel over the votes (7)"),
     "pool": (_choice("max", "avg"), "snapkv/pyramidkv: pooling, max or avg (max)"),
@@ -348,14 +349,17 @@ class CacheFactory:
         return values
 
     def _drop_interval(self, n_sinks: int) -> int:
-        """One re-ranking interval for all layers (generate.Decoder reads layer 0's), checked against each
-        layer: at most C - n_sinks - (recent_window - 1) slots are evictable at a refresh, and the queue holds
-        m."""
+        """One re-ranking interval m for all layers (generate.Decoder reads layer 0's): a queue of m slots
+        that stay evictable until the next refresh: at most C - n_sinks - (recent_window - 1) per layer.
+        A fraction (the default 0.5) is clamped to that; a number of steps that exceeds it is an error."""
         smallest = min(self.capacities)
-        m = resolve_count(self.values["drop_interval"], smallest)
+        value = self.values["drop_interval"]
+        m = resolve_count(value, smallest)
         recent = self.values["recent_window"]
         room = min(c - n_sinks - (resolve_count(recent, c) - 1) for c in self.capacities)
-        if self.cls.evicts and self.prompt_len + self.max_new_tokens > smallest and m > room:
+        if value < 1:
+            m = max(1, min(m, room))
+        elif self.cls.evicts and self.prompt_len + self.max_new_tokens > smallest and m > room:
             raise KVFastError(f"--drop-interval {m} is larger than the budget allows: at most {room} slots "
                               f"are evictable between refreshes (capacity {smallest} - n_sinks - recent "
                               "window + 1)")

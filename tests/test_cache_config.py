@@ -127,3 +127,11 @@ def test_report_counts_buffers():
     assert r["kv_bytes"] == a.n_layers * 2 * 2 * a.n_kv_heads * 16 * a.head_dim * 4
     assert r["full_kv_bytes"] == a.n_layers * 2 * 2 * a.n_kv_heads * 49 * a.head_dim * 4
     assert r["compression_ratio"] == pytest.approx(49 / 16)
+
+
+def test_default_drop_interval_fits_the_budget():
+    """The default m = 0.5 B is clamped to what is evictable; an explicit number of steps is checked instead."""
+    factory = kvcache.make_cache_factory("scissorhands", 1, tiny_args(), 100, 50, budget=12, obs_window=4)
+    assert factory.layer_values[0]["drop_interval"] == 12 - 10 + 1
+    factory = kvcache.make_cache_factory("scissorhands", 1, tiny_args(), 100, 50, budget=200)
+    assert factory.layer_values[0]["drop_interval"] == 75  # half of the 150 slots that suffice here
