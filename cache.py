@@ -15,13 +15,19 @@ compressor do not use is an error.
 
 Use from code (generate.py, eval.py, bench.py):
 
-    add_cache_args(parser)                                 # all the flags above, with --help text
-    check_cache_args(args)                                 # fail fast, before loading a model
-    make_cache = cache_factory_from_args(args, batch_size, model.args, prompt_len, max_new_tokens, dtype,
-    device) # or: make_cache = make_cache_factory("h2o", batch_size, model.args, prompt_len, max_new_tokens,
-    #                                      budget=0.2, recent_window=0.5, dtype=dtype, device=device)
-    model.setup_caches(make_cache)                         # make_cache(layer) -> KVCache; .capacities etc.
+    add_cache_args(parser)            # all the flags above, with --help text
+    check_cache_args(args)            # fail fast, before loading a model
+    make_cache = cache_factory_from_args(args, batch_size, model.args, prompt_len, max_new_tokens,
+                                         dtype, device)
+    # or, without argparse:
+    make_cache = make_cache_factory("h2o", batch_size, model.args, prompt_len, max_new_tokens,
+                                    budget=0.2, recent_window=0.5, dtype=dtype, device=device)
+    model.setup_caches(make_cache)    # make_cache(layer) -> KVCache; .capacities, .describe(), ...
     print("\\n".join(format_cache_report(cache_report(model.caches))))
+
+Per layer, a cache reports kept() (valid slots per row and KV head), tokens_seen(), physical_bytes() (its K/V
+buffers: capacity slots only) and overhead_bytes() (slot positions and the policy's statistics); all are read
+once, at the end, never per step.
 
 Prefill once, many policies (eval): prefill attention never reads the cache, so keep each layer's post-RoPE
 (q, k, v) and call `cache.prefill(q, k, v, memo=memos[layer])` on every policy's caches. `memo` is a dict per
