@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench data clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	python3 -m venv .venv
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+
+# offline evaluation texts (Debian's jargon-text, bible-kjv) into data/; the tests do not need them
+data: $(STAMP)
+	$(PY) scripts/fetch_data.py
 
 bench: $(STAMP) checkpoints/SmolLM2-135M-Instruct/config.json
 	$(PY) bench.py

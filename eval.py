@@ -1,0 +1,677 @@
+"""Quality of every KV-cache policy at every budget, offline: retrieval, perplexity, fidelity, attention loss.
+
+    python eval.py --tasks passkey niah ppl fidelity --policies full window h2o scissorhands snapkv \\
+        --budgets 0.5 0.25 0.125 --lengths 1024 2048 4096 --samples 20
+
+Tasks (evaltasks.py builds them, seeded, at exact token lengths):
+  passkey            a 5-digit key in filler text at a grid of depths; exact match
+  niah               RULER-style needles in real prose: niah_single, niah_multikey, niah_multivalue (each can
+                     also be named alone); string match as RULER scores it
+  fidelity           on the niah_single prompts: N tokens decoded greedily with the full cache are teacher-forced
+                     through each compressed cache: mean KL(full || policy) of the next-token distributions,
+                     top-1 agreement, and the length of the greedy prefix that matches full
+  ppl                perplexity of windows of real text (--ppl-text), teacher-forced through the decode path,
+                     reported every --ppl-every tokens
+  attention-loss     the model decodes the same windows with a full cache while each policy's cache follows in
+                     its shadow; the loss is the attention mass on the tokens the policy has evicted (cold-compress)
+
+Modes: query-agnostic (default) compresses the context before the question is seen, then feeds the question as a
+second chunk through the decode step; query-aware prefills context + question together, so prompt compressors
+(SnapKV, PyramidKV) see the question. Every number records its mode.
+
+Speed: each batch of samples is prefilled once; every layer's (q, k, v) is recorded and replayed into each
+policy's caches with `cache.prefill(q, k, v, memo)` (prefill attention never reads the cache; `memo` keeps the
+budget-independent prompt statistics), so a policy/budget pair costs only its decode steps. Samples of a cell
+share one batch. Decoding is generate.Decoder's (optionally compiled) step. Results go to --out: results.json,
+summary.md and plots; reruns skip finished cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# OpenMP threads that spin while waiting lose their core to any other busy process on a small shared machine and
+# then stall every parallel region (decode steps measured 5-30x slower here); passive waiting avoids that.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # after OMP_WAIT_POLICY, which is read when torch loads OpenMP
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import cache as kvcache
+import evaltasks as tasks
+from generate import DEFAULT_CHECKPOINT, Decoder, load, resolve_checkpoint, truncate_at_stop
+from model import KVFastError, Transformer
+
+ROOT = Path(__file__).resolve().parent
+TASK_NAMES = ("passkey", "niah", *tasks.NIAH_NEEDLES, "fidelity", "ppl", "attention-loss")
+MODES = ("agnostic", "aware")
+NO_MODE = "-"  # ppl and attention loss have no question
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise KVFastError(message)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
+                   help="checkpoint folder (the default model is prepared on first use)")
+    p.add_argument("--tasks", nargs="+", default=["passkey", "niah", "fidelity", "ppl"],
+                   help=f"tasks to run: {', '.join(TASK_NAMES)} (niah = its three variants)")
+    p.add_argument("--policies", nargs="+", default=["full", "window", "h2o", "scissorhands", "snapkv"],
+                   help=f"cache policies: {', '.join(kvcache.POLICIES)}; full is always the reference")
+    p.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.125],
+                   help="cache budgets: fractions of prompt + new tokens (or slots per layer if > 1)")
+    p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096],
+                   help="prompt lengths in tokens for the retrieval and fidelity tasks")
+    p.add_argument("--samples", type=int, default=20, help="samples per retrieval / fidelity cell")
+    p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.3, 0.5, 0.7, 0.9],
+                   help="needle depths (fraction of the haystack before it), cycled over the samples")
+    p.add_argument("--mode", nargs="+", default=["agnostic"], choices=MODES,
+                   help="query-agnostic: compress the context, then read the question; query-aware: the "
+                        "question is part of the compressed prompt")
+    p.add_argument("--haystack", default="jargon",
+                   help=f"niah haystack: {', '.join(tasks.TEXT_SOURCES)} (fetched with apt into data/) or a file")
+    p.add_argument("--ppl-text", default="jargon",
+                   help=f"ppl / attention-loss text: {', '.join(tasks.TEXT_SOURCES)} or a text file")
+    p.add_argument("--ppl-length", type=int, default=None, help="tokens per ppl window (default: max --lengths)")
+    p.add_argument("--ppl-samples", type=int, default=4, help="ppl / attention-loss windows")
+    p.add_argument("--ppl-every", type=int, default=512, help="report ppl / attention loss every N tokens")
+    p.add_argument("--ppl-decode-all", action="store_true",
+                   help="decode every token from the first (StreamingLLM's loop) instead of prefilling the tokens "
+                        "that fit the smallest layer's cache (identical until the cache is full, much slower)")
+    p.add_argument("--fidelity-tokens", type=int, default=32, help="tokens decoded by full for fidelity")
+    p.add_argument("--answer-room", type=int, default=64,
+                   help="new tokens the caches are sized for after each prompt (budget = fraction of length + this)")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
+    p.add_argument("--limit", type=int, default=None, help="at most N samples / windows per cell (smoke runs)")
+    p.add_argument("--batch-size", type=int, default=8, help="samples decoded together (one prefill per batch)")
+    p.add_argument("--record-gb", type=float, default=3.0,
+                   help="memory for the recorded prefill q/k/v; batches shrink to fit")
+    p.add_argument("--seed", type=int, default=0, help="seed of the task generators")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default results/<checkpoint name>)")
+    p.add_argument("--overwrite", action="store_true", help="recompute the requested cells even if finished")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (once per cache shape)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g = p.add_argument_group("policy hyper-parameters (each applies to the listed policies that use it)")
+    for name, (_, text) in kvcache.PARAMS.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "h2o_normalize":
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif name in ("pool", "gqa_reduce"):
+            g.add_argument(flag, default=None, help=text)
+        else:
+            g.add_argument(flag, type=float, default=None, help=text)
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def expand_tasks(names: list[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        for t in (tasks.NIAH_NEEDLES if name == "niah" else [name]):
+            if t not in out:
+                out.append(t)
+    return out
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for t in args.tasks:
+        if t not in TASK_NAMES:
+            raise KVFastError(f"unknown task {t!r} (choose from {', '.join(TASK_NAMES)})")
+    args.tasks = expand_tasks(args.tasks)
+    for policy in args.policies:
+        if policy not in kvcache.POLICIES:
+            raise KVFastError(f"unknown cache policy {policy!r} (choose from {', '.join(kvcache.POLICIES)})")
+    args.policies = ["full"] + [p for p in dict.fromkeys(args.policies) if p != "full"]
+    for b in args.budgets:
+        if b <= 0 or (b > 1 and b != int(b)):
+            raise KVFastError(f"--budgets: {b:g} is neither a fraction in (0, 1] nor a whole number of slots")
+    for name in ("samples", "ppl_samples", "ppl_every", "fidelity_tokens", "answer_room", "batch_size"):
+        if getattr(args, name) <= 0:
+            raise KVFastError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if min(args.lengths) < 128:
+        raise KVFastError(f"--lengths must be at least 128 tokens, got {min(args.lengths)}")
+    if any(not 0 <= d <= 1 for d in args.depths):
+        raise KVFastError("--depths must lie in [0, 1]")
+    if args.limit is not None and args.limit <= 0:
+        raise KVFastError(f"--limit must be > 0, got {args.limit}")
+    if "fidelity" in args.tasks and args.fidelity_tokens > args.answer_room:
+        raise KVFastError("--fidelity-tokens cannot exceed --answer-room")
+    args.ppl_length = args.ppl_length or max(args.lengths)
+    args.params = {k: kvcache.PARAMS[k][0](k, getattr(args, k)) for k in kvcache.PARAMS if getattr(args, k) is not None}
+    for key in args.params:
+        if not any(key in policy_params(p) for p in args.policies):
+            raise KVFastError(f"--{key.replace('_', '-')} is used by none of the policies {args.policies}")
+    if args.ppl_every > args.ppl_length:
+        raise KVFastError("--ppl-every exceeds --ppl-length")
+
+
+def policy_params(policy: str) -> set[str]:
+    cls = kvcache.POLICIES[policy]
+    comp = kvcache.PROMPT_COMPRESSORS.get(cls.default_prompt_compressor or "")
+    return set(cls.params) | set(comp.params if comp else ())
+
+
+# ---- combos and records ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Combo:
+    policy: str
+    budget: float | None  # None: full, no compression
+
+    @property
+    def is_full(self) -> bool:
+        return self.budget is None
+
+    def label(self) -> str:
+        return "full" if self.is_full else f"{self.policy}@{self.budget:g}"
+
+
+def combos_of(args: argparse.Namespace) -> list[Combo]:
+    return [Combo("full", None)] + [Combo(p, b) for p in args.policies if p != "full" for b in args.budgets]
+
+
+def record_key(task: str, length: int, index: int, combo: Combo, mode: str) -> str:
+    return f"{task}|{length}|{index}|{combo.policy}|{combo.budget}|{mode}"
+
+
+CONFIG_KEYS = ("checkpoint", "seed", "chat", "dtype", "haystack", "ppl_text", "depths", "fidelity_tokens",
+               "answer_room", "ppl_length", "ppl_every", "params")
+
+
+class Store:
+    """results.json: the run's configuration and one record per (task, length, sample, policy, budget, mode)."""
+
+    def __init__(self, out: Path, config: dict[str, Any], overwrite: bool):
+        self.path = out / "results.json"
+        self.config = config
+        self.records: dict[str, dict] = {}
+        self.overwrite = overwrite
+        if self.path.exists():
+            try:
+                saved = json.loads(self.path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise KVFastError(f"cannot read {self.path}: {e}") from None
+            if saved.get("config") == config:
+                self.records = {r["key"]: r for r in saved.get("records", [])}
+            elif not overwrite:
+                differ = [k for k in CONFIG_KEYS if saved.get("config", {}).get(k) != config.get(k)]
+                raise KVFastError(f"{self.path} holds results of another configuration (differs in {differ}); "
+                                  "use --overwrite or another --out")
+        self.fresh: set[str] = set()
+
+    def done(self, key: str) -> bool:
+        return key in self.records and (not self.overwrite or key in self.fresh)
+
+    def add(self, record: dict) -> None:
+        self.records[record["key"]] = record
+        self.fresh.add(record["key"])
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"config": self.config, "records": list(self.records.values())}, indent=1))
+        os.replace(tmp, self.path)
+
+
+# ---- prefill once, replay into every policy's caches -----------------------------------------------------
+class Recorder(nn.Module):
+    """Stands in for a layer's cache during the one real prefill: keeps the post-RoPE q, k, v."""
+
+    needs_attention = False
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, memo: dict | None = None) -> None:
+        self.q, self.k, self.v = q, k, v
+
+
+class ShadowCaches(nn.Module):
+    """Attention-loss probe for one layer: the model attends to a full cache; policy caches follow every step.
+
+    Each follower receives the same tokens and the full attention restricted to its own slots (unnormalised, as
+    in cold-compress's KVCacheAnalysis); its loss at step t is the attention mass on the tokens it evicted,
+    1 - sum of the full attention over the tokens it still holds, averaged over heads."""
+
+    needs_attention = True
+
+    def __init__(self, full: nn.Module, followers: list[nn.Module], total_len: int):
+        super().__init__()
+        self.full, self.followers = full, nn.ModuleList(followers)
+        self.refresh_interval = getattr(followers[0], "refresh_interval", None)
+        B = full.k.shape[0]
+        self.register_buffer("loss", torch.zeros(len(followers), B, total_len), persistent=False)
+        self.register_buffer("pos", torch.zeros(1, dtype=torch.long), persistent=False)
+
+    def reset(self) -> None:
+        self.full.reset()
+        for f in self.followers:
+            f.reset()
+        self.loss.zero_()
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, memo: dict | None = None) -> None:
+        self.full.prefill(q, k, v, memo=memo)
+        for f in self.followers:
+            f.prefill(q, k, v, memo=memo)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        self.pos.copy_(input_pos)
+        for f in self.followers:
+            f.update(input_pos, k, v)
+        return self.full.update(input_pos, k, v)
+
+    def observe(self, probs: Tensor) -> None:
+        p = probs[:, :, :, 0]  # [B, H_kv, g, T]: slot j of the full cache holds position j
+        B, H, g, _ = p.shape
+        losses = []
+        for f in self.followers:
+            index = f.slot_pos.clamp(min=0).unsqueeze(2).expand(B, H, g, -1)
+            kept = p.gather(-1, index) * (f.slot_pos >= 0).unsqueeze(2)
+            losses.append(1 - kept.sum(-1).mean(dim=(1, 2)))
+            if f.needs_attention:
+                f.observe(kept.unsqueeze(3))
+        self.loss.index_copy_(2, self.pos, torch.stack(losses).unsqueeze(-1))
+
+    def refresh(self) -> None:
+        for f in self.followers:
+            f.refresh()
+
+
+class Evaluator:
+    def __init__(self, model: Transformer, tokenizer: Any, args: argparse.Namespace):
+        self.model, self.tok, self.args = model, tokenizer, args
+        self.decoder = Decoder(model, compile=args.compile)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.bank: dict[tuple, list[nn.Module]] = {}
+        self.stop_ids = getattr(tokenizer, "stop_ids", None) or None
+        self.n_layers = model.args.n_layers
+
+    # -- caches
+    def caches(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> list[nn.Module]:
+        """One cache per layer for (combo, batch, lengths), built once: the same modules keep compiled code valid."""
+        key = (combo, B, prompt_len, max_new)
+        if key not in self.bank:
+            params = {k: v for k, v in self.args.params.items() if k in policy_params(combo.policy)}
+            factory = kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new,
+                                                 budget=combo.budget, dtype=self.dtype, device=self.device, **params)
+            self.bank[key] = [factory(i) for i in range(self.n_layers)]
+        return self.bank[key]
+
+    def install(self, caches: list[nn.Module]) -> None:
+        self.model.setup_caches(lambda i: caches[i])
+
+    def record(self, ids: Tensor) -> tuple[list[tuple[Tensor, Tensor, Tensor]], Tensor]:
+        """The one real prefill of a batch: per-layer (q, k, v) and the final hidden states [B, S, dim]."""
+        recorders = [Recorder() for _ in range(self.n_layers)]
+        self.model.setup_caches(lambda i: recorders[i])
+        hidden = self.model.hidden(ids)
+        return [(r.q, r.k, r.v) for r in recorders], hidden
+
+    @staticmethod
+    def fill(caches: list[nn.Module], kv: list[tuple[Tensor, Tensor, Tensor]], n: int, memos: list[dict]) -> None:
+        for c, (q, k, v), memo in zip(caches, kv, memos):
+            c.reset()
+            c.prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], memo=memo)
+
+    @staticmethod
+    def snapshot(caches: list[nn.Module]) -> list[list[Tensor]]:
+        return [[b.clone() for b in c.buffers()] for c in caches]
+
+    @staticmethod
+    def restore(caches: list[nn.Module], state: list[list[Tensor]]) -> None:
+        for c, saved in zip(caches, state):
+            for b, s in zip(c.buffers(), saved):
+                b.copy_(s)
+
+    # -- decoding (all through generate.Decoder)
+    def feed(self, chunk: Tensor, start_pos: int) -> Tensor:
+        """Extend the caches by a chunk (teacher-forced steps); the logits after its last token [B, 1, V]."""
+        last: list[Tensor] = []
+        n = chunk.shape[1]
+        self.decoder.decode(chunk[:, :1], start_pos, n, forced=chunk[:, 1:],
+                            on_logits=lambda i, logits: last.append(logits) if i == n - 1 else None)
+        return last[0]
+
+    def greedy(self, first: Tensor, pos: int, n: int, stop: bool, keep: bool) -> tuple[Tensor, Tensor | None]:
+        """n greedy tokens from the logits `first` [B, 1, V] (the next input at `pos`); optionally their log-probs."""
+        logprobs = [F.log_softmax(first[:, 0].float(), -1)] if keep else []
+        token = first[:, -1].argmax(-1, keepdim=True)
+        out = [token]
+        if n > 1:
+            hook = (lambda i, logits: logprobs.append(F.log_softmax(logits[:, 0].float(), -1))) if keep else None
+            out.append(self.decoder.decode(token, pos, n - 1, temperature=0.0, stop_ids=self.stop_ids if stop else None,
+                                           on_logits=hook))
+        return torch.cat(out, 1), (torch.stack(logprobs, 1) if keep else None)
+
+    def follow(self, first: Tensor, pos: int, ref_tokens: Tensor, ref_lp: Tensor) -> dict[str, Tensor]:
+        """Teacher-force full's greedy tokens; per row: mean KL(full || this), top-1 agreement, greedy prefix."""
+        N = ref_tokens.shape[1]
+        _, lp = self.greedy(first, pos, 1, False, True)
+        lps = [lp[:, 0]]
+        if N > 1:
+            self.decoder.decode(ref_tokens[:, :1], pos, N - 1, forced=ref_tokens[:, 1:],
+                                on_logits=lambda i, logits: lps.append(F.log_softmax(logits[:, 0].float(), -1)))
+        lp = torch.stack(lps, 1)
+        kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp(min=0)  # [B, N]
+        agree = lp.argmax(-1) == ref_tokens
+        return {"kl": kl.mean(1), "top1": agree.float().mean(1), "prefix": agree.long().cumprod(1).sum(1).float()}
+
+    def nll_from_hidden(self, hidden: Tensor, ids: Tensor, chunk: int = 256) -> Tensor:
+        """Negative log-likelihood of ids[:, 1:] from the batched pass: [B, S - 1] (logits in chunks)."""
+        out = []
+        for s in range(0, ids.shape[1] - 1, chunk):
+            e = min(s + chunk, ids.shape[1] - 1)
+            lp = F.log_softmax(self.model.logits(hidden[:, s:e]), -1)
+            out.append(-lp.gather(-1, ids[:, s + 1 : e + 1, None])[..., 0])
+        return torch.cat(out, 1)
+
+    def decode_nll(self, ids: Tensor, start: int) -> Tensor:
+        """NLL of ids[:, start+1:] teacher-forced through the decode step from position `start` (caches hold
+        positions < start): [B, S - 1 - start]."""
+        steps: list[Tensor] = []
+        n = ids.shape[1] - 1 - start
+
+        def on_logits(i: int, logits: Tensor) -> None:
+            lp = F.log_softmax(logits[:, 0].float(), -1)
+            steps.append(-lp.gather(-1, ids[:, start + 1 + i, None])[:, 0])
+
+        if n > 0:
+            self.decoder.decode(ids[:, start : start + 1], start, n, forced=ids[:, start + 1 :], on_logits=on_logits)
+        return torch.stack(steps, 1) if steps else ids.new_zeros(ids.shape[0], 0, dtype=torch.float)
+
+
+# ---- retrieval and fidelity -------------------------------------------------------------------------------
+def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], combos: list[Combo], store: Store,
+                bar: Any) -> None:
+    """One batch of prompts of the same (task, length): one prefill, then every combo, mode and wanted task."""
+    args = ev.args
+    L, B = prompts[0].length, len(prompts)
+    src = prompts[0].task
+    todo: dict[tuple[Combo, str], set[str]] = {}
+    for mode in args.mode:
+        for combo in combos:
+            need = {t for t in wanted if any(not store.done(record_key(t, L, p.index, combo, mode)) for p in prompts)}
+            if need:
+                todo[(combo, mode)] = need
+    if not todo:
+        return
+    ctx = torch.tensor([p.context for p in prompts], device=ev.device)
+    qst = torch.tensor([p.question for p in prompts], device=ev.device)
+    S, Q = ctx.shape[1], qst.shape[1]
+    total = L + args.answer_room
+    bar.set_postfix_str(f"{src}@{L}: prefill {B} x {S + Q}")
+    t0 = time.perf_counter()
+    kv, hidden = ev.record(torch.cat([ctx, qst], 1))
+    last = ev.model.logits(hidden[:, -1:])
+    del hidden
+    prefill_s = (time.perf_counter() - t0) / B
+    answer_n = tasks.ANSWER_TOKENS.get(src, 16)
+    N = args.fidelity_tokens
+    for mode in args.mode:
+        n = S if mode == "agnostic" else S + Q
+        memos = [{} for _ in range(ev.n_layers)]
+        ref = None
+        need_ref = any("fidelity" in todo.get((c, mode), ()) for c in combos if not c.is_full)
+        for combo in combos:
+            need = set(todo.get((combo, mode), ()))
+            if not need and not (combo.is_full and need_ref):
+                continue
+            bar.set_postfix_str(f"{src}@{L} {mode}: {combo.label()}")
+            caches = ev.caches(combo, B, n, total - n)
+            t0 = time.perf_counter()
+            ev.install(caches)
+            ev.fill(caches, kv, n, memos)
+            first = ev.feed(qst, S) if mode == "agnostic" else last
+            pos = S + Q
+            results: dict[str, list[dict]] = {}
+            retrieval = src in need
+            if combo.is_full:
+                steps = max(answer_n if retrieval else 1, N if (need_ref or "fidelity" in need) else 1)
+                tokens, lp = ev.greedy(first, pos, steps, stop=False, keep=need_ref or "fidelity" in need)
+                if lp is not None:
+                    ref = (tokens[:, :N], lp[:, :N])
+                answer = tokens[:, :answer_n]
+                if "fidelity" in need:
+                    fid = {"kl": torch.zeros(B), "top1": torch.ones(B), "prefix": torch.full((B,), float(N))}
+            else:
+                state = ev.snapshot(caches) if retrieval and "fidelity" in need else None
+                if retrieval:
+                    answer, _ = ev.greedy(first, pos, answer_n, stop=True, keep=False)
+                if "fidelity" in need:
+                    if state is not None:
+                        ev.restore(caches, state)
+                    fid = ev.follow(first, pos, *ref)
+            elapsed = (time.perf_counter() - t0) / B
+            cap = sorted({c.capacity for c in caches})
+            base = {"length": L, "policy": combo.policy, "budget": combo.budget, "mode": mode, "prompt_tokens": S + Q,
+                    "context_tokens": S, "capacity": cap[0] if len(cap) == 1 else cap, "time_s": round(elapsed, 4),
+                    "prefill_s": round(prefill_s, 4)}
+            for row, p in enumerate(prompts):
+                if retrieval:
+                    ids = answer[row].tolist()
+                    pred = ev.tok.decode(truncate_at_stop(ids, ev.stop_ids) if ev.stop_ids else ids)
+                    results.setdefault(src, []).append({
+                        **base, "task": src, "index": p.index, "prediction": pred, "answers": p.answers,
+                        "score": tasks.score(src, pred, p.answers), "meta": p.meta})
+                if "fidelity" in need:
+                    m = {k: float(v[row]) for k, v in fid.items()}
+                    results.setdefault("fidelity", []).append({
+                        **base, "task": "fidelity", "index": p.index, "score": m["top1"], "metrics": m,
+                        "meta": p.meta})
+            for task_records in results.values():
+                for r in task_records:
+                    r["key"] = record_key(r["task"], L, r["index"], combo, mode)
+                    if not store.done(r["key"]):
+                        store.add(r)
+                        bar.update(1)
+            store.save()
+
+
+# ---- perplexity and attention loss ----------------------------------------------------------------------------
+def positions(args: argparse.Namespace) -> list[int]:
+    ps = list(range(args.ppl_every, args.ppl_length + 1, args.ppl_every))
+    return ps if ps and ps[-1] == args.ppl_length else ps + [args.ppl_length]
+
+
+def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wanted: list[str], combos: list[Combo],
+                store: Store, bar: Any) -> None:
+    """ppl and attention loss on one batch of text windows (one prefill)."""
+    args = ev.args
+    T = len(windows[0])
+    todo = {(t, c) for t in wanted for c in combos
+            if not (t == "attention-loss" and c.is_full)
+            and any(not store.done(record_key(t, T, i, c, NO_MODE)) for i in indices)}
+    if not todo:
+        return
+    ids = torch.tensor(windows, device=ev.device)
+    B = ids.shape[0]
+    bar.set_postfix_str(f"text@{T}: prefill {B} x {T}")
+    t0 = time.perf_counter()
+    kv, hidden = ev.record(ids)
+    full_nll = ev.nll_from_hidden(hidden, ids)
+    del hidden
+    prefill_s = (time.perf_counter() - t0) / B
+    memos: dict[int, list[dict]] = {}
+    ps = positions(args)
+
+    def add(task: str, combo: Combo, metrics: list[dict], elapsed: float, cap: Any, extra: list[dict]) -> None:
+        for row, i in enumerate(indices):
+            key = record_key(task, T, i, combo, NO_MODE)
+            if store.done(key):
+                continue
+            metric = "ppl" if task == "ppl" else "loss"
+            store.add({"key": key, "task": task, "length": T, "index": i, "policy": combo.policy,
+                       "budget": combo.budget, "mode": NO_MODE, "capacity": cap, "metrics": metrics[row],
+                       "score": metrics[row][f"{metric}@{T}"], "time_s": round(elapsed, 4),
+                       "prefill_s": round(prefill_s, 4), **extra[row]})
+            bar.update(1)
+        store.save()
+
+    if "ppl" in wanted:
+        for combo in combos:
+            if ("ppl", combo) not in todo:
+                continue
+            bar.set_postfix_str(f"ppl@{T}: {combo.label()}")
+            t0 = time.perf_counter()
+            caches = ev.caches(combo, B, T, 0)
+            P = 1 if args.ppl_decode_all else min(c.capacity for c in caches)
+            if P >= T or (combo.is_full and not args.ppl_decode_all):
+                nll, P = full_nll, T  # no eviction can happen: the batched pass is the decode path's result
+            else:
+                memo = memos.setdefault(P, [{} for _ in range(ev.n_layers)])
+                ev.install(caches)
+                ev.fill(caches, kv, P, memo)
+                nll = torch.cat([full_nll[:, :P], ev.decode_nll(ids, P)], 1)
+            cap = sorted({c.capacity for c in caches})
+            metrics = [{f"ppl@{p}": math.exp(float(nll[r, : p - 1].mean())) for p in ps}
+                       | {f"nll@{p}": float(nll[r, : p - 1].mean()) for p in ps} for r in range(B)]
+            add("ppl", combo, metrics, (time.perf_counter() - t0) / B, cap[0] if len(cap) == 1 else cap,
+                [{"prefilled": P}] * B)
+
+    if "attention-loss" in wanted:
+        followers = [c for c in combos if ("attention-loss", c) in todo]
+        groups: dict[Any, list[Combo]] = {}
+        for c in followers:  # one shadow pass per refresh interval (the decode loop calls refresh for all)
+            groups.setdefault(getattr(ev.caches(c, B, T, 0)[0], "refresh_interval", None), []).append(c)
+        for group in groups.values():
+            bar.set_postfix_str(f"attention-loss@{T}: {', '.join(c.label() for c in group)}")
+            t0 = time.perf_counter()
+            full = ev.caches(Combo("full", None), B, T, 0)
+            inner = [ev.caches(c, B, T, 0) for c in group]
+            shadows = [ShadowCaches(full[i], [caches[i] for caches in inner], T) for i in range(ev.n_layers)]
+            P = 1 if args.ppl_decode_all else min(c.capacity for caches in inner for c in caches)
+            P = min(P, T - 1)
+            memo = memos.setdefault(P, [{} for _ in range(ev.n_layers)])
+            ev.install(shadows)
+            ev.fill(shadows, kv, P, memo)
+            ev.decode_nll(ids, P)
+            loss = torch.stack([s.loss for s in shadows])  # [layers, followers, B, T]
+            elapsed = (time.perf_counter() - t0) / B / len(group)
+            bins = max(1, T // 64)
+            for j, combo in enumerate(group):
+                lj = loss[:, j]  # [layers, B, T]; positions < P never evict (0), T - 1 is never a query
+                mean = lj.mean(0)
+                metrics = [{f"loss@{p}": float(mean[r, 1 : min(p, T - 1)].mean()) for p in ps} for r in range(B)]
+                extra = [{"per_layer": [round(float(x), 5) for x in lj[:, r, 1 : T - 1].mean(-1)],
+                          "curve": [round(float(x), 5) for x in mean[r, : T // bins * bins].view(-1, bins).mean(-1)],
+                          "prefilled": P} for r in range(B)]
+                cap = sorted({c.capacity for c in inner[j]})
+                add("attention-loss", combo, metrics, elapsed, cap[0] if len(cap) == 1 else cap, extra)
+
+
+# ---- batching -------------------------------------------------------------------------------------------------
+def batches(n: int, max_batch: int, tokens: int, per_token_bytes: int, limit_gb: float) -> list[range]:
+    """Split n samples into near-equal batches that fit the recording memory."""
+    fit = max(1, int(limit_gb * 1e9 // max(1, tokens * per_token_bytes)))
+    size = max(1, min(max_batch, fit, n))
+    k = math.ceil(n / size)
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(k)]
+
+
+def recorded_bytes_per_token(model: Transformer) -> int:
+    a = model.args
+    return a.n_layers * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim * next(model.parameters()).element_size()
+
+
+def plan(args: argparse.Namespace, combos: list[Combo]) -> int:
+    """Records this run will produce at most (the progress bar's total)."""
+    n = min(args.samples, args.limit or args.samples)
+    w = min(args.ppl_samples, args.limit or args.ppl_samples)
+    retrieval = sum(t in args.tasks for t in (*tasks.RETRIEVAL_TASKS, "fidelity"))
+    total = retrieval * len(args.lengths) * n * len(combos) * len(args.mode)
+    total += ("ppl" in args.tasks) * w * len(combos) + ("attention-loss" in args.tasks) * w * (len(combos) - 1)
+    return total
+
+
+def evaluate(ev: Evaluator, store: Store) -> None:
+    from tqdm import tqdm
+
+    args = ev.args
+    combos = combos_of(args)
+    per_token = recorded_bytes_per_token(ev.model)
+    framing = tasks.Framing.make(ev.tok, args.chat)
+    n = min(args.samples, args.limit or args.samples)
+    sentences = None
+    with torch.inference_mode(), tqdm(total=plan(args, combos), unit="rec", dynamic_ncols=True) as bar:
+        # fidelity rides on the niah_single prompts (one prefill serves both)
+        sources = [t for t in tasks.RETRIEVAL_TASKS if t in args.tasks]
+        if "fidelity" in args.tasks and "niah_single" not in sources:
+            sources.append("niah_single")
+        if any(src != "passkey" for src in sources):
+            sentences = tasks.encode_sentences(ev.tok, tasks.prose_sentences(tasks.load_text(args.haystack)))
+        # every prompt is built first (cheap), so a length that cannot hold a task fails before any work
+        prompts = {(src, L): tasks.make_prompts(src, ev.tok, framing, L, n, args.seed, args.depths, sentences)
+                   for src in sources for L in args.lengths}
+        for src in sources:
+            wanted = [t for t in (src, "fidelity") if t in args.tasks and (t == src or src == "niah_single")]
+            for L in args.lengths:
+                for part in batches(n, args.batch_size, L, per_token, args.record_gb):
+                    run_prompts(ev, [prompts[(src, L)][i] for i in part], wanted, combos, store, bar)
+        text_tasks = [t for t in ("ppl", "attention-loss") if t in args.tasks]
+        if text_tasks:
+            ids = ev.tok.encode(tasks.load_text(args.ppl_text))
+            w = min(args.ppl_samples, args.limit or args.ppl_samples)
+            bos = ev.tok.bos_id if getattr(ev.tok, "add_bos", False) else None
+            windows = tasks.text_windows(ids, args.ppl_length, w, args.seed, bos)
+            for part in batches(w, args.batch_size, args.ppl_length, per_token, args.record_gb):
+                run_windows(ev, [windows[i] for i in part], list(part), text_tasks, combos, store, bar)
+
+
+# ---- main -------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    model, tokenizer = load(checkpoint, args.device, dtype)
+    longest = max(max(args.lengths) + args.answer_room, args.ppl_length)
+    if longest > model.args.max_seq_len:
+        raise KVFastError(f"length + --answer-room ({longest}) exceeds the model's maximum of {model.args.max_seq_len}")
+    if args.compile:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(combos_of(args)) + 8)
+    name = checkpoint.name if checkpoint.is_dir() else checkpoint.parent.name
+    out = args.out or ROOT / "results" / name
+    config = {"checkpoint": name, "seed": args.seed, "chat": args.chat, "dtype": str(dtype).replace("torch.", ""),
+              "haystack": args.haystack, "ppl_text": args.ppl_text, "depths": args.depths,
+              "fidelity_tokens": args.fidelity_tokens, "answer_room": args.answer_room, "ppl_length": args.ppl_length,
+              "ppl_every": args.ppl_every, "params": args.params}
+    store = Store(out, config, args.overwrite)
+    t0 = time.perf_counter()
+    evaluate(Evaluator(model, tokenizer, args), store)
+    wall = time.perf_counter() - t0
+    store.save()
+    import evalreport
+
+    (out / "summary.md").write_text(evalreport.summary(list(store.records.values()), config, wall))
+    if not args.no_plots:
+        evalreport.plots(list(store.records.values()), out)
+    print(f"wrote {out / 'results.json'}, {out / 'summary.md'} ({wall:.0f} s)")
+    return out
+
+
+def cli(argv: list[str] | None = None) -> int:
+    try:
+        main(argv)
+    except KVFastError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
