@@ -1,0 +1,198 @@
+"""Speed and memory, side by side in one run: every figure is read against a baseline measured in the same run.
+
+    python bench.py                       # engine: HF transformers vs our eager vs our compiled decode
+    python bench.py --section policies    # decode step time per cache policy at 512 / 2048 / 4096 tokens
+
+Markdown tables go to stdout, everything measured to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import cache as kvcache
+from generate import DEFAULT_CHECKPOINT, Decoder, resolve_checkpoint
+from model import Transformer
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
+    """Bytes moved per second (read + write) copying a buffer far larger than the caches."""
+    src = torch.ones(n_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * n_bytes / median_time(lambda: dst.copy_(src), repeats)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---- engine: HF vs ours -------------------------------------------------------------------------------------
+def time_ours(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool, repeats: int) -> dict:
+    model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, prompt.shape[1], new_tokens))
+    decoder = Decoder(model, compile=compile)
+
+    def run() -> tuple[float, float]:
+        for c in model.caches:
+            c.reset()
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            first = decoder.prefill(model, prompt, 0.0, None)
+            t1 = time.perf_counter()
+            decoder.decode(first, prompt.shape[1], new_tokens - 1)
+            t2 = time.perf_counter()
+        return t1 - t0, (new_tokens - 1) / (t2 - t1)
+
+    run()  # warm-up (compilation)
+    runs = [run() for _ in range(repeats)]
+    return {"prefill_s": statistics.median(r[0] for r in runs), "tok_s": statistics.median(r[1] for r in runs)}
+
+
+def load_hf_gguf(gguf: Path):
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
+    return model.float().eval()
+
+
+def time_hf(gguf: Path, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
+    hf = load_hf_gguf(gguf)
+    kwargs = {"do_sample": False, "pad_token_id": 2, "eos_token_id": None}
+
+    def gen(n: int):
+        with torch.inference_mode():
+            hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kwargs)
+
+    gen(2)
+    t_prefill = median_time(lambda: gen(1), repeats)
+    t_all = median_time(lambda: gen(new_tokens), repeats)
+    return {"prefill_s": t_prefill, "tok_s": (new_tokens - 1) / (t_all - t_prefill)}
+
+
+def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    prompt = torch.randint(100, model.args.vocab_size - 100, (1, args.prompt_len))
+    bandwidth = copy_bandwidth()
+    wbytes = weight_bytes(model)
+    floor_tok_s = bandwidth / wbytes
+    rows = {}
+    from scripts.prepare import default_gguf
+
+    if not args.skip_hf:
+        rows["HF transformers generate (fp32, eager)"] = time_hf(default_gguf(Path(__file__).parent), prompt,
+                                                                 args.new_tokens, args.repeats)
+    rows["kvfast eager"] = time_ours(model, prompt, args.new_tokens, False, args.repeats)
+    rows["kvfast compiled"] = time_ours(model, prompt, args.new_tokens, True, args.repeats)
+    hf = rows.get("HF transformers generate (fp32, eager)")
+    print(f"\nmachine copy bandwidth: {bandwidth / 1e9:.1f} GB/s; weights {wbytes / 1e6:.0f} MB -> floor "
+          f"{1e3 / floor_tok_s:.1f} ms/token = {floor_tok_s:.1f} tok/s")
+    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, median of {args.repeats}\n")
+    print("| engine | prefill (s) | decode tok/s | vs HF | % of bandwidth floor |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        vs = f"{r['tok_s'] / hf['tok_s']:.2f}x" if hf else "-"
+        print(f"| {name} | {r['prefill_s']:.2f} | {r['tok_s']:.1f} | {vs} | {100 * r['tok_s'] / floor_tok_s:.0f} % |")
+    return {"copy_bandwidth_GBs": bandwidth / 1e9, "weight_bytes": wbytes, "floor_tok_s": floor_tok_s,
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": rows}
+
+
+# ---- policies: decode step time at long context --------------------------------------------------------------
+def step_time(model: Transformer, policy: str, context_len: int, budget: float | None, steps: int,
+              repeats: int) -> tuple[float, int]:
+    """Median seconds per compiled decode step with the caches filled as after `context_len` tokens.
+
+    The cached K/V are random (kvcache.setup_decode_benchmark): the model's own 4k prefill would cost minutes
+    on 2 cores and does not change what a decode step costs. Returns (seconds, capacity of layer 0)."""
+    new = steps * (repeats + 1) + 1
+    kwargs = {} if budget is None else {"budget": budget}
+    kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=new, **kwargs)
+    decoder = Decoder(model, compile=True)
+    x = torch.tensor([[42]])
+    pos, times = context_len, []
+    with torch.inference_mode():
+        for r in range(repeats + 1):  # the first round compiles
+            t0 = time.perf_counter()
+            decoder.decode(x, pos, steps)
+            if r:
+                times.append((time.perf_counter() - t0) / steps)
+            pos += steps
+    return statistics.median(times), model.caches[0].capacity
+
+
+def bench_policies(model: Transformer, args: argparse.Namespace) -> dict:
+    policies = args.policies or [p for p in kvcache.POLICIES if p != "full"]
+    results = {}
+    print(f"\ndecode step time (ms), compiled, budget {args.budget:g} of context + new tokens; bookkeeping ="
+          f" (step - step of a full cache with as many slots) / step\n")
+    print("| policy | " + " | ".join(f"{n} tokens: step (speed-up vs full), bookkeeping" for n in args.lengths) + " |")
+    print("|---|" + "---|" * len(args.lengths))
+    full = {n: step_time(model, "full", n, None, args.steps, args.repeats)[0] for n in args.lengths}
+    print("| full | " + " | ".join(f"{1e3 * full[n]:.1f}" for n in args.lengths) + " |", flush=True)
+    results["full"] = {n: {"step_s": full[n]} for n in args.lengths}
+    same_slots: dict[int, float] = {}  # capacity -> step time of a full cache with that many slots
+    for policy in policies:
+        cells, results[policy] = [], {}
+        for n in args.lengths:
+            t, capacity = step_time(model, policy, n, args.budget, args.steps, args.repeats)
+            if capacity not in same_slots:
+                new = args.steps * (args.repeats + 1) + 1
+                same_slots[capacity] = step_time(model, "full", capacity - new, None, args.steps, args.repeats)[0]
+            t_slots = same_slots[capacity]
+            share = max(t - t_slots, 0.0) / t
+            results[policy][n] = {"step_s": t, "capacity": capacity, "same_slots_full_step_s": t_slots,
+                                  "bookkeeping_share": share}
+            cells.append(f"{1e3 * t:.1f} ({full[n] / t:.2f}x), {100 * share:.0f} %")
+        print(f"| {policy} | " + " | ".join(cells) + " |", flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
+    p.add_argument("--section", choices=["engine", "policies", "all"], default="engine", help="which tables")
+    p.add_argument("--prompt-len", type=int, default=512, help="engine table: prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=128, help="engine table: tokens decoded")
+    p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
+    p.add_argument("--skip-hf", action="store_true", help="engine table without the HF transformers row")
+    p.add_argument("--policies", nargs="*", help="policies table: policies (default: all but full)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096], help="policies table: prompts")
+    p.add_argument("--budget", type=float, default=0.25, help="policies table: cache budget")
+    p.add_argument("--steps", type=int, default=16, help="policies table: decode steps per timed repeat")
+    p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    model = Transformer.from_checkpoint(checkpoint)
+    out = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    if args.section in ("engine", "all"):
+        out["engine"] = bench_engine(model, checkpoint, args)
+    if args.section in ("policies", "all"):
+        out["policies"] = bench_policies(model, args)
+    args.json.write_text(json.dumps(out, indent=1))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
