@@ -96,8 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     p.add_argument("--limit", type=int, default=None, help="at most N samples / windows per cell (smoke runs)")
     p.add_argument("--batch-size", type=int, default=8, help="samples decoded together (one prefill per batch)")
-    p.add_argument("--record-gb", type=float, default=3.0,
+    p.add_argument("--record-gb", type=float, default=4.0,
                    help="memory for the recorded prefill q/k/v; batches shrink to fit")
+    p.add_argument("--group-gb", type=float, default=2.0,
+                   help="memory for the K/V of policies decoded together in one batch (all budgets' policies "
+                        "share each step's weight reads)")
     p.add_argument("--seed", type=int, default=0, help="seed of the task generators")
     p.add_argument("--out", type=Path, default=None, help="output folder (default results/<checkpoint name>)")
     p.add_argument("--overwrite", action="store_true", help="recompute the requested cells even if finished")
@@ -162,9 +165,10 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def policy_params(policy: str) -> set[str]:
+    """Hyper-parameters a policy and its prompt compressor use (window's recent window is what the budget sets)."""
     cls = kvcache.POLICIES[policy]
     comp = kvcache.PROMPT_COMPRESSORS.get(cls.default_prompt_compressor or "")
-    return set(cls.params) | set(comp.params if comp else ())
+    return (set(cls.params) | set(comp.params if comp else ())) - ({"recent_window"} if policy == "window" else set())
 
 
 # ---- combos and records ----------------------------------------------------------------------------------
@@ -289,6 +293,66 @@ class ShadowCaches(nn.Module):
             f.refresh()
 
 
+class MultiCache(nn.Module):
+    """Several policies' caches for one layer, decoded as one batch: rows [i B, (i + 1) B) belong to member i.
+
+    The members' k, v and slot_pos become views into shared buffers padded to the largest capacity (padding slots
+    stay empty, hence masked), so one decode step reads the weights once for every policy and budget of the group,
+    while each member updates, observes and refreshes only its own rows and slots, exactly as it would alone."""
+
+    def __init__(self, members: list[nn.Module]):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        self.needs_attention = any(m.needs_attention for m in members)
+        intervals = {getattr(m, "refresh_interval", None) for m in members} - {None}
+        if len(intervals) > 1:
+            raise ValueError(f"members refresh at different intervals {intervals}")
+        self.refresh_interval = next(iter(intervals), None)
+        B, H, _, D = members[0].k.shape
+        self.rows = B
+        C = max(m.capacity for m in members)
+        k0 = members[0].k
+        self.register_buffer("k", k0.new_zeros(len(members) * B, H, C, D), persistent=False)
+        self.register_buffer("v", k0.new_zeros(len(members) * B, H, C, D), persistent=False)
+        self.register_buffer("slot_pos", torch.full((len(members) * B, H, C), -1, dtype=torch.long,
+                                                    device=k0.device), persistent=False)
+        for i, m in enumerate(members):
+            rows = slice(i * B, (i + 1) * B)
+            m.k, m.v = self.k[rows, :, : m.capacity], self.v[rows, :, : m.capacity]
+            m.slot_pos = self.slot_pos[rows, :, : m.capacity]
+
+    def state(self) -> list[Tensor]:
+        """Every tensor of the decoding state, each once (the members' k, v, slot_pos are views of ours)."""
+        shared = {id(self.k), id(self.v), id(self.slot_pos)}
+        views = {id(t) for m in self.members for t in (m.k, m.v, m.slot_pos)}
+        return [self.k, self.v, self.slot_pos] + [b for b in self.buffers() if id(b) not in shared | views]
+
+    def reset(self) -> None:
+        self.slot_pos.fill_(-1)
+        for m in self.members:
+            m.reset()
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, memo: dict | None = None) -> None:
+        for m in self.members:  # every member gets the same B samples
+            m.prefill(q, k, v, memo=memo)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B = self.rows
+        for i, m in enumerate(self.members):
+            m.update(input_pos, k[i * B : (i + 1) * B], v[i * B : (i + 1) * B])
+        return self.k, self.v, (self.slot_pos >= 0).unsqueeze(2)
+
+    def observe(self, probs: Tensor) -> None:
+        B = self.rows
+        for i, m in enumerate(self.members):
+            if m.needs_attention:
+                m.observe(probs[i * B : (i + 1) * B, ..., : m.capacity])
+
+    def refresh(self) -> None:
+        for m in self.members:
+            m.refresh()
+
+
 class Evaluator:
     def __init__(self, model: Transformer, tokenizer: Any, args: argparse.Namespace):
         self.model, self.tok, self.args = model, tokenizer, args
@@ -300,14 +364,63 @@ class Evaluator:
         self.n_layers = model.args.n_layers
 
     # -- caches
+    def factory(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> kvcache.CacheFactory:
+        params = {k: v for k, v in self.args.params.items() if k in policy_params(combo.policy)}
+        return kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new, budget=combo.budget,
+                                          dtype=self.dtype, device=self.device, **params)
+
     def caches(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> list[nn.Module]:
-        """One cache per layer for (combo, batch, lengths), built once: the same modules keep compiled code valid."""
+        """One cache per layer for (combo, batch, lengths). Compiled: built once per shape and kept (the same
+        modules keep the compiled step valid); eager: built afresh, so only the caches in use hold memory."""
         key = (combo, B, prompt_len, max_new)
+        if key in self.bank:
+            return self.bank[key]
+        factory = self.factory(combo, B, prompt_len, max_new)
+        caches = [factory(i) for i in range(self.n_layers)]
+        if self.args.compile:
+            self.bank[key] = caches
+        return caches
+
+    def groups(self, combos: list[Combo], B: int, prompt_len: int, max_new: int,
+               same_floor: bool = False) -> list[list[Combo]]:
+        """Combos decoded together: full alone; the others by budget, within --group-gb of K/V buffers and with at
+        most one refresh interval (the decode loop refreshes every member at that interval). same_floor: members
+        also share their smallest layer capacity (ppl prefills that many tokens, so a group never changes it)."""
+        out = [[c] for c in combos if c.is_full]
+        a = self.model.args
+        slot_bytes = B * a.n_layers * 2 * a.n_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
+        by_budget: dict[tuple, list[Combo]] = {}
+        for c in combos:
+            if not c.is_full:
+                floor = min(self.factory(c, B, prompt_len, max_new).capacities) if same_floor else 0
+                by_budget.setdefault((c.budget, floor), []).append(c)
+        for group in by_budget.values():
+            current: list[Combo] = []
+            widest, interval = 0, None
+            for c in group:
+                f = self.factory(c, B, prompt_len, max_new)
+                width = max(f.capacities)
+                every = getattr(f(0), "refresh_interval", None) if f.cls.refresh is not kvcache.KVCache.refresh else None
+                rows = len(current) + 1
+                too_big = rows * max(widest, width) * slot_bytes > self.args.group_gb * 1e9
+                if current and (too_big or (every and interval and every != interval)):
+                    out.append(current)
+                    current, widest, interval = [], 0, None
+                current.append(c)
+                widest, interval = max(widest, width), interval or every
+            out.append(current)
+        return out
+
+    def group_caches(self, group: list[Combo], B: int, prompt_len: int, max_new: int) -> list[nn.Module]:
+        members = [self.caches(c, B, prompt_len, max_new) for c in group]
+        if len(group) == 1:
+            return members[0]
+        key = (tuple(group), B, prompt_len, max_new, "multi")
         if key not in self.bank:
-            params = {k: v for k, v in self.args.params.items() if k in policy_params(combo.policy)}
-            factory = kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new,
-                                                 budget=combo.budget, dtype=self.dtype, device=self.device, **params)
-            self.bank[key] = [factory(i) for i in range(self.n_layers)]
+            caches = [MultiCache([m[i] for m in members]) for i in range(self.n_layers)]
+            if not self.args.compile:
+                return caches
+            self.bank[key] = caches
         return self.bank[key]
 
     def install(self, caches: list[nn.Module]) -> None:
@@ -327,13 +440,15 @@ class Evaluator:
             c.prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], memo=memo)
 
     @staticmethod
-    def snapshot(caches: list[nn.Module]) -> list[list[Tensor]]:
-        return [[b.clone() for b in c.buffers()] for c in caches]
+    def state(cache: nn.Module) -> list[Tensor]:
+        return cache.state() if isinstance(cache, MultiCache) else list(cache.buffers())
 
-    @staticmethod
-    def restore(caches: list[nn.Module], state: list[list[Tensor]]) -> None:
+    def snapshot(self, caches: list[nn.Module]) -> list[list[Tensor]]:
+        return [[b.clone() for b in self.state(c)] for c in caches]
+
+    def restore(self, caches: list[nn.Module], state: list[list[Tensor]]) -> None:
         for c, saved in zip(caches, state):
-            for b, s in zip(c.buffers(), saved):
+            for b, s in zip(self.state(c), saved):
                 b.copy_(s)
 
     # -- decoding (all through generate.Decoder)
@@ -357,17 +472,25 @@ class Evaluator:
         return torch.cat(out, 1), (torch.stack(logprobs, 1) if keep else None)
 
     def follow(self, first: Tensor, pos: int, ref_tokens: Tensor, ref_lp: Tensor) -> dict[str, Tensor]:
-        """Teacher-force full's greedy tokens; per row: mean KL(full || this), top-1 agreement, greedy prefix."""
+        """Teacher-force full's greedy tokens ([B, N], log-probs [B, N, V]) through caches holding G x B rows;
+        per row: mean KL(full || this), top-1 agreement, length of the greedy prefix that matches full."""
         N = ref_tokens.shape[1]
-        _, lp = self.greedy(first, pos, 1, False, True)
-        lps = [lp[:, 0]]
+        G = first.shape[0] // ref_tokens.shape[0]
+        kl, agree = [], []
+
+        def compare(i: int, logits: Tensor) -> None:
+            lp = F.log_softmax(logits[:, 0].float(), -1).view(G, -1, logits.shape[-1])  # [G, B, V]
+            ref = ref_lp[:, i]  # [B, V]
+            kl.append((ref.exp() * (ref - lp)).sum(-1).clamp(min=0).flatten())
+            agree.append((lp.argmax(-1) == ref_tokens[:, i]).flatten())
+
+        compare(0, first)
         if N > 1:
-            self.decoder.decode(ref_tokens[:, :1], pos, N - 1, forced=ref_tokens[:, 1:],
-                                on_logits=lambda i, logits: lps.append(F.log_softmax(logits[:, 0].float(), -1)))
-        lp = torch.stack(lps, 1)
-        kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp(min=0)  # [B, N]
-        agree = lp.argmax(-1) == ref_tokens
-        return {"kl": kl.mean(1), "top1": agree.float().mean(1), "prefix": agree.long().cumprod(1).sum(1).float()}
+            tokens = ref_tokens.repeat(G, 1)
+            self.decoder.decode(tokens[:, :1], pos, N - 1, forced=tokens[:, 1:],
+                                on_logits=lambda i, logits: compare(i + 1, logits))
+        a = torch.stack(agree, 1)
+        return {"kl": torch.stack(kl, 1).mean(1), "top1": a.float().mean(1), "prefix": a.long().cumprod(1).sum(1).float()}
 
     def nll_from_hidden(self, hidden: Tensor, ids: Tensor, chunk: int = 256) -> Tensor:
         """Negative log-likelihood of ids[:, 1:] from the batched pass: [B, S - 1] (logits in chunks)."""
@@ -396,7 +519,7 @@ class Evaluator:
 # ---- retrieval and fidelity -------------------------------------------------------------------------------
 def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], combos: list[Combo], store: Store,
                 bar: Any) -> None:
-    """One batch of prompts of the same (task, length): one prefill, then every combo, mode and wanted task."""
+    """One batch of prompts of the same (task, length): one prefill, then every group of combos, mode and task."""
     args = ev.args
     L, B = prompts[0].length, len(prompts)
     src = prompts[0].task
@@ -425,27 +548,26 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
         memos = [{} for _ in range(ev.n_layers)]
         ref = None
         need_ref = any("fidelity" in todo.get((c, mode), ()) for c in combos if not c.is_full)
-        for combo in combos:
-            need = set(todo.get((combo, mode), ()))
-            if not need and not (combo.is_full and need_ref):
-                continue
-            bar.set_postfix_str(f"{src}@{L} {mode}: {combo.label()}")
-            caches = ev.caches(combo, B, n, total - n)
+        active = [c for c in combos if (c, mode) in todo or (c.is_full and need_ref)]
+        for group in ev.groups(active, B, n, total - n):
+            G = len(group)
+            need = set().union(*(todo.get((c, mode), set()) for c in group))
+            bar.set_postfix_str(f"{src}@{L} {mode}: {', '.join(c.label() for c in group)}")
             t0 = time.perf_counter()
+            caches = ev.group_caches(group, B, n, total - n)
             ev.install(caches)
             ev.fill(caches, kv, n, memos)
-            first = ev.feed(qst, S) if mode == "agnostic" else last
+            first = ev.feed(qst.repeat(G, 1), S) if mode == "agnostic" else last.repeat(G, 1, 1)
             pos = S + Q
-            results: dict[str, list[dict]] = {}
             retrieval = src in need
-            if combo.is_full:
-                steps = max(answer_n if retrieval else 1, N if (need_ref or "fidelity" in need) else 1)
-                tokens, lp = ev.greedy(first, pos, steps, stop=False, keep=need_ref or "fidelity" in need)
+            if group[0].is_full:
+                keep = need_ref or "fidelity" in need
+                steps = max(answer_n if retrieval else 1, N if keep else 1)
+                tokens, lp = ev.greedy(first, pos, steps, stop=False, keep=keep)
                 if lp is not None:
                     ref = (tokens[:, :N], lp[:, :N])
                 answer = tokens[:, :answer_n]
-                if "fidelity" in need:
-                    fid = {"kl": torch.zeros(B), "top1": torch.ones(B), "prefix": torch.full((B,), float(N))}
+                fid = {"kl": torch.zeros(B), "top1": torch.ones(B), "prefix": torch.full((B,), float(N))}
             else:
                 state = ev.snapshot(caches) if retrieval and "fidelity" in need else None
                 if retrieval:
@@ -454,30 +576,32 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
                     if state is not None:
                         ev.restore(caches, state)
                     fid = ev.follow(first, pos, *ref)
-            elapsed = (time.perf_counter() - t0) / B
-            cap = sorted({c.capacity for c in caches})
-            base = {"length": L, "policy": combo.policy, "budget": combo.budget, "mode": mode, "prompt_tokens": S + Q,
-                    "context_tokens": S, "capacity": cap[0] if len(cap) == 1 else cap, "time_s": round(elapsed, 4),
-                    "prefill_s": round(prefill_s, 4)}
-            for row, p in enumerate(prompts):
-                if retrieval:
-                    ids = answer[row].tolist()
-                    pred = ev.tok.decode(truncate_at_stop(ids, ev.stop_ids) if ev.stop_ids else ids)
-                    results.setdefault(src, []).append({
-                        **base, "task": src, "index": p.index, "prediction": pred, "answers": p.answers,
-                        "score": tasks.score(src, pred, p.answers), "meta": p.meta})
-                if "fidelity" in need:
-                    m = {k: float(v[row]) for k, v in fid.items()}
-                    results.setdefault("fidelity", []).append({
-                        **base, "task": "fidelity", "index": p.index, "score": m["top1"], "metrics": m,
-                        "meta": p.meta})
-            for task_records in results.values():
-                for r in task_records:
-                    r["key"] = record_key(r["task"], L, r["index"], combo, mode)
-                    if not store.done(r["key"]):
-                        store.add(r)
-                        bar.update(1)
+            elapsed = (time.perf_counter() - t0) / (B * G)
+            for j, combo in enumerate(group):
+                cap = sorted({c.members[j].capacity if isinstance(c, MultiCache) else c.capacity for c in caches})
+                base = {"length": L, "policy": combo.policy, "budget": combo.budget, "mode": mode,
+                        "prompt_tokens": S + Q, "context_tokens": S, "capacity": cap[0] if len(cap) == 1 else cap,
+                        "time_s": round(elapsed, 4), "prefill_s": round(prefill_s, 4)}
+                for row, p in enumerate(prompts):
+                    r = j * B + row
+                    if retrieval and src in todo.get((combo, mode), ()):
+                        ids = answer[r].tolist()
+                        pred = ev.tok.decode(truncate_at_stop(ids, ev.stop_ids) if ev.stop_ids else ids)
+                        add_record(store, bar, {**base, "task": src, "index": p.index, "prediction": pred,
+                                                "answers": p.answers, "score": tasks.score(src, pred, p.answers),
+                                                "meta": p.meta}, combo)
+                    if "fidelity" in todo.get((combo, mode), ()):
+                        m = {k: float(v[r]) for k, v in fid.items()}
+                        add_record(store, bar, {**base, "task": "fidelity", "index": p.index, "score": m["top1"],
+                                                "metrics": m, "meta": p.meta}, combo)
             store.save()
+
+
+def add_record(store: Store, bar: Any, record: dict, combo: Combo) -> None:
+    record["key"] = record_key(record["task"], record["length"], record["index"], combo, record["mode"])
+    if not store.done(record["key"]):
+        store.add(record)
+        bar.update(1)
 
 
 # ---- perplexity and attention loss ----------------------------------------------------------------------------
@@ -521,31 +645,34 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
         store.save()
 
     if "ppl" in wanted:
-        for combo in combos:
-            if ("ppl", combo) not in todo:
-                continue
-            bar.set_postfix_str(f"ppl@{T}: {combo.label()}")
+        for group in ev.groups([c for c in combos if ("ppl", c) in todo], B, T, 0, same_floor=True):
+            G = len(group)
+            bar.set_postfix_str(f"ppl@{T}: {', '.join(c.label() for c in group)}")
             t0 = time.perf_counter()
-            caches = ev.caches(combo, B, T, 0)
-            P = 1 if args.ppl_decode_all else min(c.capacity for c in caches)
-            if P >= T or (combo.is_full and not args.ppl_decode_all):
-                nll, P = full_nll, T  # no eviction can happen: the batched pass is the decode path's result
+            members = [ev.caches(c, B, T, 0) for c in group]
+            # positions before the smallest layer fills never evict: they come from the batched pass
+            P = 1 if args.ppl_decode_all else min(c.capacity for m in members for c in m)
+            if P >= T or (group[0].is_full and not args.ppl_decode_all):
+                nll, P = full_nll.repeat(G, 1), T  # no eviction can happen: the decode path would give the same
             else:
+                caches = ev.group_caches(group, B, T, 0)
                 memo = memos.setdefault(P, [{} for _ in range(ev.n_layers)])
                 ev.install(caches)
                 ev.fill(caches, kv, P, memo)
-                nll = torch.cat([full_nll[:, :P], ev.decode_nll(ids, P)], 1)
-            cap = sorted({c.capacity for c in caches})
-            metrics = [{f"ppl@{p}": math.exp(float(nll[r, : p - 1].mean())) for p in ps}
-                       | {f"nll@{p}": float(nll[r, : p - 1].mean()) for p in ps} for r in range(B)]
-            add("ppl", combo, metrics, (time.perf_counter() - t0) / B, cap[0] if len(cap) == 1 else cap,
-                [{"prefilled": P}] * B)
+                nll = torch.cat([full_nll[:, :P].repeat(G, 1), ev.decode_nll(ids.repeat(G, 1), P)], 1)
+            elapsed = (time.perf_counter() - t0) / (B * G)
+            for j, combo in enumerate(group):
+                rows = range(j * B, (j + 1) * B)
+                metrics = [{f"ppl@{p}": math.exp(float(nll[r, : p - 1].mean())) for p in ps}
+                           | {f"nll@{p}": float(nll[r, : p - 1].mean()) for p in ps} for r in rows]
+                cap = sorted({c.capacity for c in members[j]})
+                add("ppl", combo, metrics, elapsed, cap[0] if len(cap) == 1 else cap, [{"prefilled": P}] * B)
 
     if "attention-loss" in wanted:
         followers = [c for c in combos if ("attention-loss", c) in todo]
         groups: dict[Any, list[Combo]] = {}
         for c in followers:  # one shadow pass per refresh interval (the decode loop calls refresh for all)
-            groups.setdefault(getattr(ev.caches(c, B, T, 0)[0], "refresh_interval", None), []).append(c)
+            groups.setdefault(getattr(ev.factory(c, B, T, 0)(0), "refresh_interval", None), []).append(c)
         for group in groups.values():
             bar.set_postfix_str(f"attention-loss@{T}: {', '.join(c.label() for c in group)}")
             t0 = time.perf_counter()

@@ -187,6 +187,29 @@ def test_budget_one_scores_exactly_as_full(text_file, tmp_path):
     assert len({r["prediction"] for r in full.values() if r["task"] == "passkey"}) > 1
 
 
+def test_policies_decoded_together_match_one_at_a_time(text_file, tmp_path):
+    """MultiCache batches every policy of a budget in one decode step; with real evictions, the results equal
+    those of each policy decoded alone (--group-gb 0 puts every policy in its own batch)."""
+    flags = ("--tasks", "passkey", "fidelity", "ppl", "--policies", *ALL_POLICIES, "--budgets", "0.4",
+             "--lengths", "600", "--samples", "2", "--ppl-length", "384", "--ppl-samples", "2", "--ppl-every", "128",
+             "--fidelity-tokens", "8", "--recent-window", "8", "--drop-interval", "8", *SMALL)
+    model = tiny_model(2)
+    together = {r["key"]: r for r in run_eval(text_file, tmp_path / "a", *flags, model=model)}
+    alone = {r["key"]: r for r in run_eval(text_file, tmp_path / "b", *flags, "--group-gb", "0", model=model)}
+    assert together.keys() == alone.keys() and len(together) == 9 * (2 + 2 + 2)
+    differs = 0
+    for key, a in together.items():
+        b = alone[key]
+        if a["task"] == "passkey":
+            assert a["prediction"] == b["prediction"], key
+        else:
+            for k, v in a["metrics"].items():
+                assert v == pytest.approx(b["metrics"][k], rel=1e-4, abs=1e-5), (key, k)
+        if a["task"] == "fidelity" and a["policy"] != "full":
+            differs += a["metrics"]["kl"] > 1e-4
+    assert differs > 0  # evictions really happened
+
+
 def test_newest_only_policy_diverges_from_full(text_file, tmp_path):
     """A deliberately broken policy (only the newest tokens, no sinks) loses fidelity and perplexity."""
     records = run_eval(text_file, tmp_path / "out", "--tasks", "fidelity", "ppl", "--policies", "full", "window",
