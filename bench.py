@@ -128,10 +128,11 @@ def step_time(model: Transformer, policy: str, context_len: int, budget: float |
     new = steps * (repeats + 1) + 1
     kwargs = {} if budget is None else {"budget": budget}
     kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=new, **kwargs)
+    torch._dynamo.reset()  # new cache buffers: start from a clean compile cache (dynamo's recompile limit)
     decoder = Decoder(model, compile=True)
-    x = torch.tensor([[42]])
     pos, times = context_len, []
     with torch.inference_mode():
+        x = torch.tensor([[42]])  # an inference tensor like every later input: one graph
         for r in range(repeats + 1):  # the first round compiles
             t0 = time.perf_counter()
             decoder.decode(x, pos, steps)

@@ -89,9 +89,11 @@ class Decoder:
             if interval and (start_pos + i) % interval == 0:
                 self.refresh(self.model)
             x_next, logits = self.step(self.model, x, input_pos, temperature, top_k)
+            # with CUDA graphs the step's outputs live in memory the next replay overwrites: copy them out
+            x_next = x_next.clone()
             if on_logits is not None:
-                on_logits(i, logits)
-            out.append(x_next.clone())
+                on_logits(i, logits.clone())
+            out.append(x_next)
             x = forced[:, i : i + 1] if forced is not None else x_next
             input_pos = input_pos + 1
             if stop_ids and forced is None and (i + 1) % 8 == 0 and _all_stopped(torch.cat(out, 1), stop_ids):
