@@ -138,15 +138,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
         # one mask row per query head: the g heads of a group share their KV head's mask
         mask = mask.repeat_interleave(H // n_kv, dim=1) if H != n_kv else mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), None
-    qg = q.view(B, n_kv, H // n_kv, S, D)
-    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(D))
+    g = H // n_kv
+    # the g query heads of a KV head as g * S rows of one matmul: broadcasting k, v over g would copy them
+    qg = q.reshape(B, n_kv, g * S, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(B, n_kv, g, S, -1) * (1.0 / math.sqrt(D))
     if mask is None:
         mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     else:
         mask = mask.unsqueeze(2)
     scores = scores.float().masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs.type_as(v), v.unsqueeze(2))
+    out = torch.matmul(probs.type_as(v).view(B, n_kv, g * S, -1), v)
     return out.view(B, H, S, D), probs
 
 
