@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decode every token from the first (StreamingLLM's loop) instead of prefilling the tokens "
                         "that fit the smallest layer's cache (identical until the cache is full, much slower)")
     p.add_argument("--fidelity-tokens", type=int, default=32, help="tokens decoded by full for fidelity")
+    p.add_argument("--fidelity-lengths", nargs="+", type=int, default=None,
+                   help="prompt lengths for fidelity (default: --lengths)")
     p.add_argument("--answer-room", type=int, default=64,
                    help="new tokens the caches are sized for after each prompt (budget = fraction of length + this)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
@@ -156,6 +158,9 @@ def check_args(args: argparse.Namespace) -> None:
     if "fidelity" in args.tasks and args.fidelity_tokens > args.answer_room:
         raise KVFastError("--fidelity-tokens cannot exceed --answer-room")
     args.ppl_length = args.ppl_length or max(args.lengths)
+    args.fidelity_lengths = args.fidelity_lengths or args.lengths
+    if min(args.fidelity_lengths) < 128:
+        raise KVFastError(f"--fidelity-lengths must be at least 128 tokens, got {min(args.fidelity_lengths)}")
     args.params = {k: kvcache.PARAMS[k][0](k, getattr(args, k)) for k in kvcache.PARAMS if getattr(args, k) is not None}
     for key in args.params:
         if not any(key in policy_params(p) for p in args.policies):
@@ -194,7 +199,7 @@ def record_key(task: str, length: int, index: int, combo: Combo, mode: str) -> s
 
 
 CONFIG_KEYS = ("checkpoint", "seed", "chat", "dtype", "haystack", "ppl_text", "depths", "fidelity_tokens",
-               "answer_room", "ppl_length", "ppl_every", "params")
+               "answer_room", "ppl_length", "ppl_every", "ppl_decode_all", "params")
 
 
 class Store:
@@ -381,19 +386,16 @@ class Evaluator:
             self.bank[key] = caches
         return caches
 
-    def groups(self, combos: list[Combo], B: int, prompt_len: int, max_new: int,
-               same_floor: bool = False) -> list[list[Combo]]:
+    def groups(self, combos: list[Combo], B: int, prompt_len: int, max_new: int) -> list[list[Combo]]:
         """Combos decoded together: full alone; the others by budget, within --group-gb of K/V buffers and with at
-        most one refresh interval (the decode loop refreshes every member at that interval). same_floor: members
-        also share their smallest layer capacity (ppl prefills that many tokens, so a group never changes it)."""
+        most one refresh interval (the decode loop refreshes every member at that interval)."""
         out = [[c] for c in combos if c.is_full]
         a = self.model.args
         slot_bytes = B * a.n_layers * 2 * a.n_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
-        by_budget: dict[tuple, list[Combo]] = {}
+        by_budget: dict[float, list[Combo]] = {}
         for c in combos:
             if not c.is_full:
-                floor = min(self.factory(c, B, prompt_len, max_new).capacities) if same_floor else 0
-                by_budget.setdefault((c.budget, floor), []).append(c)
+                by_budget.setdefault(c.budget, []).append(c)
         for group in by_budget.values():
             current: list[Combo] = []
             widest, interval = 0, None
@@ -605,6 +607,16 @@ def add_record(store: Store, bar: Any, record: dict, combo: Combo) -> None:
 
 
 # ---- perplexity and attention loss ----------------------------------------------------------------------------
+def prefix_len(args: argparse.Namespace, combo: Combo, T: int) -> int:
+    """Tokens of a ppl window that are prefilled before decoding: the budget's uniform capacity (nothing is
+    evicted before a uniform cache is full, so those predictions are the batched pass's; a layer with a smaller
+    capacity, e.g. a pyramid's top layers, compresses that prefix with its prompt compressor), or 1 with
+    --ppl-decode-all. It depends on the budget only, so a policy gets the same result in any group."""
+    if args.ppl_decode_all:
+        return 1
+    return T if combo.is_full else min(T, kvcache.resolve_capacity(combo.budget, T))
+
+
 def positions(args: argparse.Namespace) -> list[int]:
     ps = list(range(args.ppl_every, args.ppl_length + 1, args.ppl_every))
     return ps if ps and ps[-1] == args.ppl_length else ps + [args.ppl_length]
@@ -645,13 +657,12 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
         store.save()
 
     if "ppl" in wanted:
-        for group in ev.groups([c for c in combos if ("ppl", c) in todo], B, T, 0, same_floor=True):
+        for group in ev.groups([c for c in combos if ("ppl", c) in todo], B, T, 0):
             G = len(group)
             bar.set_postfix_str(f"ppl@{T}: {', '.join(c.label() for c in group)}")
             t0 = time.perf_counter()
             members = [ev.caches(c, B, T, 0) for c in group]
-            # positions before the smallest layer fills never evict: they come from the batched pass
-            P = 1 if args.ppl_decode_all else min(c.capacity for m in members for c in m)
+            P = prefix_len(args, group[0], T)
             if P >= T or (group[0].is_full and not args.ppl_decode_all):
                 nll, P = full_nll.repeat(G, 1), T  # no eviction can happen: the decode path would give the same
             else:
@@ -679,8 +690,7 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
             full = ev.caches(Combo("full", None), B, T, 0)
             inner = [ev.caches(c, B, T, 0) for c in group]
             shadows = [ShadowCaches(full[i], [caches[i] for caches in inner], T) for i in range(ev.n_layers)]
-            P = 1 if args.ppl_decode_all else min(c.capacity for caches in inner for c in caches)
-            P = min(P, T - 1)
+            P = min(min(prefix_len(args, c, T) for c in group), min(c.capacity for m in inner for c in m), T - 1)
             memo = memos.setdefault(P, [{} for _ in range(ev.n_layers)])
             ev.install(shadows)
             ev.fill(shadows, kv, P, memo)
@@ -718,8 +728,9 @@ def plan(args: argparse.Namespace, combos: list[Combo]) -> int:
     """Records this run will produce at most (the progress bar's total)."""
     n = min(args.samples, args.limit or args.samples)
     w = min(args.ppl_samples, args.limit or args.ppl_samples)
-    retrieval = sum(t in args.tasks for t in (*tasks.RETRIEVAL_TASKS, "fidelity"))
-    total = retrieval * len(args.lengths) * n * len(combos) * len(args.mode)
+    retrieval = sum(t in args.tasks for t in tasks.RETRIEVAL_TASKS) * len(args.lengths)
+    retrieval += ("fidelity" in args.tasks) * len(args.fidelity_lengths)
+    total = retrieval * n * len(combos) * len(args.mode)
     total += ("ppl" in args.tasks) * w * len(combos) + ("attention-loss" in args.tasks) * w * (len(combos) - 1)
     return total
 
@@ -741,11 +752,21 @@ def evaluate(ev: Evaluator, store: Store) -> None:
         if any(src != "passkey" for src in sources):
             sentences = tasks.encode_sentences(ev.tok, tasks.prose_sentences(tasks.load_text(args.haystack)))
         # every prompt is built first (cheap), so a length that cannot hold a task fails before any work
+        def cells(src: str) -> list[tuple[int, list[str]]]:
+            """(length, tasks) for a source: fidelity rides on niah_single at --fidelity-lengths."""
+            out = []
+            for L in sorted(set(args.lengths) | (set(args.fidelity_lengths) if src == "niah_single" else set())):
+                wanted = [t for t in (src,) if t in args.tasks and L in args.lengths]
+                if src == "niah_single" and "fidelity" in args.tasks and L in args.fidelity_lengths:
+                    wanted.append("fidelity")
+                if wanted:
+                    out.append((L, wanted))
+            return out
+
         prompts = {(src, L): tasks.make_prompts(src, ev.tok, framing, L, n, args.seed, args.depths, sentences)
-                   for src in sources for L in args.lengths}
+                   for src in sources for L, _ in cells(src)}
         for src in sources:
-            wanted = [t for t in (src, "fidelity") if t in args.tasks and (t == src or src == "niah_single")]
-            for L in args.lengths:
+            for L, wanted in cells(src):
                 for part in batches(n, args.batch_size, L, per_token, args.record_gb):
                     run_prompts(ev, [prompts[(src, L)][i] for i in part], wanted, combos, store, bar)
         text_tasks = [t for t in ("ppl", "attention-loss") if t in args.tasks]
@@ -764,7 +785,7 @@ def main(argv: list[str] | None = None) -> Path:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load(checkpoint, args.device, dtype)
-    longest = max(max(args.lengths) + args.answer_room, args.ppl_length)
+    longest = max(max(args.lengths + args.fidelity_lengths) + args.answer_room, args.ppl_length)
     if longest > model.args.max_seq_len:
         raise KVFastError(f"length + --answer-room ({longest}) exceeds the model's maximum of {model.args.max_seq_len}")
     if args.compile:
@@ -774,7 +795,7 @@ def main(argv: list[str] | None = None) -> Path:
     config = {"checkpoint": name, "seed": args.seed, "chat": args.chat, "dtype": str(dtype).replace("torch.", ""),
               "haystack": args.haystack, "ppl_text": args.ppl_text, "depths": args.depths,
               "fidelity_tokens": args.fidelity_tokens, "answer_room": args.answer_room, "ppl_length": args.ppl_length,
-              "ppl_every": args.ppl_every, "params": args.params}
+              "ppl_every": args.ppl_every, "ppl_decode_all": args.ppl_decode_all, "params": args.params}
     store = Store(out, config, args.overwrite)
     t0 = time.perf_counter()
     evaluate(Evaluator(model, tokenizer, args), store)

@@ -260,7 +260,8 @@ def test_attention_loss(text_file, tmp_path):
 def test_modes_rerun_and_reports(text_file, tmp_path):
     out = tmp_path / "out"
     flags = ("--tasks", "passkey", "fidelity", "ppl", "--policies", "full", "h2o", "--budgets", "0.5",
-             "--lengths", "500", "--samples", "2", "--mode", "agnostic", "aware", "--ppl-length", "256",
+             "--lengths", "500", "--fidelity-lengths", "500", "--samples", "2", "--mode", "agnostic", "aware",
+             "--ppl-length", "256",
              "--ppl-samples", "1", "--ppl-every", "128", "--fidelity-tokens", "6")
     model = tiny_model()
     first = run_eval(text_file, out, *flags, model=model)
