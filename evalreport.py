@@ -137,7 +137,10 @@ def summary(records: list[dict], config: dict[str, Any], wall_s: float | None = 
     if text and len(columns(text, True)) > len(columns(text)):
         lines += ["", "## Perplexity and attention loss at every position", ""]
         lines += table(text, columns(text, True))
-    lines += ["", "## Time per sample (decode of question + answer, or of a window; seconds)", ""]
+    note = ("Replaying the prefill into the caches, then decoding the question and answer (or a ppl window), per "
+            "sample; policies decoded together in one batch share their time, and the first group of a batch also "
+            "computes the prompt statistics that the later ones reuse.")
+    lines += ["", "## Time per sample (seconds)", "", note, ""]
     by: dict[tuple, list[float]] = defaultdict(list)
     prefill: dict[str, list[float]] = defaultdict(list)
     for r in records:
@@ -189,6 +192,8 @@ def draw(ax: Any, records: list[dict], task: str, L: int, metric: str, title: st
             ax.errorbar(xs, ys, yerr=es, marker="o", markersize=3, capsize=2, linestyle=style,
                         label=policy + ("" if len(modes) == 1 else f" {mode}"))
     ax.set_xscale("log", base=2)
+    if task == "ppl":
+        ax.set_yscale("log")
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("budget", fontsize=8)
     ax.tick_params(labelsize=7)
