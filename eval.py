@@ -48,18 +48,21 @@ from torch import Tensor, nn
 
 import cache as kvcache
 import evaltasks as tasks
-from generate import DEFAULT_CHECKPOINT, Decoder, load, resolve_checkpoint, truncate_at_stop
+from generate import (
+    DEFAULT_CHECKPOINT,
+    ArgumentParser,
+    Decoder,
+    load,
+    resolve_checkpoint,
+    run_cli,
+    truncate_at_stop,
+)
 from model import KVFastError, Transformer
 
 ROOT = Path(__file__).resolve().parent
 TASK_NAMES = ("passkey", "niah", *tasks.NIAH_NEEDLES, "fidelity", "ppl", "attention-loss")
 MODES = ("agnostic", "aware")
 NO_MODE = "-"  # ppl and attention loss have no question
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise KVFastError(message)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -811,14 +814,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    try:
-        main(argv)
-    except KVFastError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_cli(main, argv)
 
 
 if __name__ == "__main__":

@@ -262,9 +262,13 @@ def _peak_memory_gb(device: str) -> float:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """Run main(); a user error is one line on stderr and exit code 2, never a traceback."""
+    return run_cli(main, argv)
+
+
+def run_cli(entry, argv: list[str] | None = None) -> int:
+    """Run a CLI's main(); a user error is one line on stderr and exit code 2, never a traceback."""
     try:
-        main(argv)
+        entry(argv)
     except KVFastError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
