@@ -34,7 +34,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +42,13 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # after OMP_WAIT_POLICY, which is read when torch loads OpenMP
-import torch.nn.functional as F
-from torch import Tensor, nn
 
 import cache as kvcache
 import evaltasks as tasks
-from evalcaches import MultiCache, Recorder, ShadowCaches
+from evalcaches import Combo, Evaluator, MultiCache, ShadowCaches, policy_params
 from generate import (
     DEFAULT_CHECKPOINT,
     ArgumentParser,
-    Decoder,
     load,
     resolve_checkpoint,
     run_cli,
@@ -173,27 +169,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise KVFastError("--ppl-every exceeds --ppl-length")
 
 
-def policy_params(policy: str) -> set[str]:
-    """Hyper-parameters a policy and its prompt compressor use (window's recent window is what the budget sets)."""
-    cls = kvcache.POLICIES[policy]
-    comp = kvcache.PROMPT_COMPRESSORS.get(cls.default_prompt_compressor or "")
-    return (set(cls.params) | set(comp.params if comp else ())) - ({"recent_window"} if policy == "window" else set())
-
-
 # ---- combos and records ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Combo:
-    policy: str
-    budget: float | None  # None: full, no compression
-
-    @property
-    def is_full(self) -> bool:
-        return self.budget is None
-
-    def label(self) -> str:
-        return "full" if self.is_full else f"{self.policy}@{self.budget:g}"
-
-
 def combos_of(args: argparse.Namespace) -> list[Combo]:
     return [Combo("full", None)] + [Combo(p, b) for p in args.policies if p != "full" for b in args.budgets]
 
@@ -239,167 +215,6 @@ class Store:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"config": self.config, "records": list(self.records.values())}, indent=1))
         os.replace(tmp, self.path)
-
-
-# ---- prefill once, replay into every policy's caches -----------------------------------------------------
-class Evaluator:
-    def __init__(self, model: Transformer, tokenizer: Any, args: argparse.Namespace):
-        self.model, self.tok, self.args = model, tokenizer, args
-        self.decoder = Decoder(model, compile=args.compile)
-        self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
-        self.bank: dict[tuple, list[nn.Module]] = {}
-        self.stop_ids = getattr(tokenizer, "stop_ids", None) or None
-        self.n_layers = model.args.n_layers
-
-    # -- caches
-    def factory(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> kvcache.CacheFactory:
-        params = {k: v for k, v in self.args.params.items() if k in policy_params(combo.policy)}
-        return kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new, budget=combo.budget,
-                                          dtype=self.dtype, device=self.device, **params)
-
-    def caches(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> list[nn.Module]:
-        """One cache per layer for (combo, batch, lengths). Compiled: built once per shape and kept (the same
-        modules keep the compiled step valid); eager: built afresh, so only the caches in use hold memory."""
-        key = (combo, B, prompt_len, max_new)
-        if key in self.bank:
-            return self.bank[key]
-        factory = self.factory(combo, B, prompt_len, max_new)
-        caches = [factory(i) for i in range(self.n_layers)]
-        if self.args.compile:
-            self.bank[key] = caches
-        return caches
-
-    def groups(self, combos: list[Combo], B: int, prompt_len: int, max_new: int) -> list[list[Combo]]:
-        """Combos decoded together: full alone; the others by budget, within --group-gb of K/V buffers and with at
-        most one refresh interval (the decode loop refreshes every member at that interval)."""
-        out = [[c] for c in combos if c.is_full]
-        a = self.model.args
-        slot_bytes = B * a.n_layers * 2 * a.n_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
-        by_budget: dict[float, list[Combo]] = {}
-        for c in combos:
-            if not c.is_full:
-                by_budget.setdefault(c.budget, []).append(c)
-        for group in by_budget.values():
-            current: list[Combo] = []
-            widest, interval = 0, None
-            for c in group:
-                f = self.factory(c, B, prompt_len, max_new)
-                width = max(f.capacities)
-                every = getattr(f(0), "refresh_interval", None) if f.cls.refresh is not kvcache.KVCache.refresh else None
-                rows = len(current) + 1
-                too_big = rows * max(widest, width) * slot_bytes > self.args.group_gb * 1e9
-                if current and (too_big or (every and interval and every != interval)):
-                    out.append(current)
-                    current, widest, interval = [], 0, None
-                current.append(c)
-                widest, interval = max(widest, width), interval or every
-            out.append(current)
-        return out
-
-    def group_caches(self, group: list[Combo], B: int, prompt_len: int, max_new: int) -> list[nn.Module]:
-        members = [self.caches(c, B, prompt_len, max_new) for c in group]
-        if len(group) == 1:
-            return members[0]
-        key = (tuple(group), B, prompt_len, max_new, "multi")
-        if key not in self.bank:
-            caches = [MultiCache([m[i] for m in members]) for i in range(self.n_layers)]
-            if not self.args.compile:
-                return caches
-            self.bank[key] = caches
-        return self.bank[key]
-
-    def install(self, caches: list[nn.Module]) -> None:
-        self.model.setup_caches(lambda i: caches[i])
-
-    def record(self, ids: Tensor) -> tuple[list[tuple[Tensor, Tensor, Tensor]], Tensor]:
-        """The one real prefill of a batch: per-layer (q, k, v) and the final hidden states [B, S, dim]."""
-        recorders = [Recorder() for _ in range(self.n_layers)]
-        self.model.setup_caches(lambda i: recorders[i])
-        hidden = self.model.hidden(ids)
-        return [(r.q, r.k, r.v) for r in recorders], hidden
-
-    @staticmethod
-    def fill(caches: list[nn.Module], kv: list[tuple[Tensor, Tensor, Tensor]], n: int, memos: list[dict]) -> None:
-        for c, (q, k, v), memo in zip(caches, kv, memos):
-            c.reset()
-            c.prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], memo=memo)
-
-    @staticmethod
-    def state(cache: nn.Module) -> list[Tensor]:
-        return cache.state() if isinstance(cache, MultiCache) else list(cache.buffers())
-
-    def snapshot(self, caches: list[nn.Module]) -> list[list[Tensor]]:
-        return [[b.clone() for b in self.state(c)] for c in caches]
-
-    def restore(self, caches: list[nn.Module], state: list[list[Tensor]]) -> None:
-        for c, saved in zip(caches, state):
-            for b, s in zip(self.state(c), saved):
-                b.copy_(s)
-
-    # -- decoding (all through generate.Decoder)
-    def feed(self, chunk: Tensor, start_pos: int) -> Tensor:
-        """Extend the caches by a chunk (teacher-forced steps); the logits after its last token [B, 1, V]."""
-        last: list[Tensor] = []
-        n = chunk.shape[1]
-        self.decoder.decode(chunk[:, :1], start_pos, n, forced=chunk[:, 1:],
-                            on_logits=lambda i, logits: last.append(logits) if i == n - 1 else None)
-        return last[0]
-
-    def greedy(self, first: Tensor, pos: int, n: int, stop: bool, keep: bool) -> tuple[Tensor, Tensor | None]:
-        """n greedy tokens from the logits `first` [B, 1, V] (the next input at `pos`); optionally their log-probs."""
-        logprobs = [F.log_softmax(first[:, 0].float(), -1)] if keep else []
-        token = first[:, -1].argmax(-1, keepdim=True)
-        out = [token]
-        if n > 1:
-            hook = (lambda i, logits: logprobs.append(F.log_softmax(logits[:, 0].float(), -1))) if keep else None
-            out.append(self.decoder.decode(token, pos, n - 1, temperature=0.0, stop_ids=self.stop_ids if stop else None,
-                                           on_logits=hook))
-        return torch.cat(out, 1), (torch.stack(logprobs, 1) if keep else None)
-
-    def follow(self, first: Tensor, pos: int, ref_tokens: Tensor, ref_lp: Tensor) -> dict[str, Tensor]:
-        """Teacher-force full's greedy tokens ([B, N], log-probs [B, N, V]) through caches holding G x B rows;
-        per row: mean KL(full || this), top-1 agreement, length of the greedy prefix that matches full."""
-        N = ref_tokens.shape[1]
-        G = first.shape[0] // ref_tokens.shape[0]
-        kl, agree = [], []
-
-        def compare(i: int, logits: Tensor) -> None:
-            lp = F.log_softmax(logits[:, 0].float(), -1).view(G, -1, logits.shape[-1])  # [G, B, V]
-            ref = ref_lp[:, i]  # [B, V]
-            kl.append((ref.exp() * (ref - lp)).sum(-1).clamp(min=0).flatten())
-            agree.append((lp.argmax(-1) == ref_tokens[:, i]).flatten())
-
-        compare(0, first)
-        if N > 1:
-            tokens = ref_tokens.repeat(G, 1)
-            self.decoder.decode(tokens[:, :1], pos, N - 1, forced=tokens[:, 1:],
-                                on_logits=lambda i, logits: compare(i + 1, logits))
-        a = torch.stack(agree, 1)
-        return {"kl": torch.stack(kl, 1).mean(1), "top1": a.float().mean(1), "prefix": a.long().cumprod(1).sum(1).float()}
-
-    def nll_from_hidden(self, hidden: Tensor, ids: Tensor, chunk: int = 256) -> Tensor:
-        """Negative log-likelihood of ids[:, 1:] from the batched pass: [B, S - 1] (logits in chunks)."""
-        out = []
-        for s in range(0, ids.shape[1] - 1, chunk):
-            e = min(s + chunk, ids.shape[1] - 1)
-            lp = F.log_softmax(self.model.logits(hidden[:, s:e]), -1)
-            out.append(-lp.gather(-1, ids[:, s + 1 : e + 1, None])[..., 0])
-        return torch.cat(out, 1)
-
-    def decode_nll(self, ids: Tensor, start: int) -> Tensor:
-        """NLL of ids[:, start+1:] teacher-forced through the decode step from position `start` (caches hold
-        positions < start): [B, S - 1 - start]."""
-        steps: list[Tensor] = []
-        n = ids.shape[1] - 1 - start
-
-        def on_logits(i: int, logits: Tensor) -> None:
-            lp = F.log_softmax(logits[:, 0].float(), -1)
-            steps.append(-lp.gather(-1, ids[:, start + 1 + i, None])[:, 0])
-
-        if n > 0:
-            self.decoder.decode(ids[:, start : start + 1], start, n, forced=ids[:, start + 1 :], on_logits=on_logits)
-        return torch.stack(steps, 1) if steps else ids.new_zeros(ids.shape[0], 0, dtype=torch.float)
 
 
 # ---- retrieval and fidelity -------------------------------------------------------------------------------
