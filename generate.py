@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     model.setup_caches(make_cache)
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model.weight_bytes()
 
     timings = []
     for i in range(-1 if args.compile else 0, args.num_samples):

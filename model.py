@@ -59,13 +59,19 @@ class ModelArgs:
         return self.n_heads // self.n_kv_heads
 
 
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T. For one token on CPU inside a compiled graph, a multiply-and-sum instead of mm: torch's
-    fp32 GEMV streams weights at a fraction of the memory bandwidth there, while Inductor turns this into one
-    vectorized, parallel reduction that reads each weight once (decode is bandwidth-bound)."""
-    if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
-        return (x.unsqueeze(-2) * weight).sum(-1)
-    return F.linear(x, weight)
+def as_reduction(x: Tensor) -> bool:
+    """True for one token on CPU inside a compiled graph, where a matrix-vector product is best written as a
+    multiply-and-sum: torch's fp32 GEMV streams weights at a fraction of the memory bandwidth there, while
+    Inductor turns the multiply-and-sum into one vectorized, parallel reduction that reads each weight once
+    (decode is bandwidth-bound) and fuses any dequantization of int8 / int4 weights into it (quantize.py)."""
+    return torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1
+
+
+def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
+    """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`."""
+    weight = weight.to(x.dtype)  # no-op for float weights
+    y = (x.unsqueeze(-2) * weight).sum(-1) if as_reduction(x) else F.linear(x, weight)
+    return y if scales is None else y * scales
 
 
 class Linear(nn.Linear):
@@ -251,8 +257,14 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, h: Tensor) -> Tensor:
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return linear(h, weight).float()
+        head = self.tok_embeddings if self.output is None else self.output
+        return linear(h, head.weight, getattr(head, "scales", None)).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights one decode step reads (quantized weights are buffers; rope tables are not)."""
+        tensors = [*self.parameters(), *(b for n, b in self.named_buffers() if not n.startswith("rope_")
+                                         and ".kv_cache." not in n)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @classmethod
     def from_checkpoint(cls, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
@@ -270,6 +282,10 @@ class Transformer(nn.Module):
         state = load_weights(weights)
         with torch.device("meta"):
             model = cls(args)
+        if "tok_embeddings.scales" in state:  # written by quantize.py
+            from quantize import prepare_quantized
+
+            prepare_quantized(model, state, weights)
         check_state_dict(model, state, weights)
         model.load_state_dict(state, assign=True, strict=False)
         cos, sin = rope_tables(args)
