@@ -2,6 +2,7 @@
 
     python bench.py                       # engine: HF transformers vs our eager vs our compiled decode
     python bench.py --section policies    # decode step time per cache policy at 512 / 2048 / 4096 tokens
+    python bench.py --section quantize    # fp32 vs int8 vs int4 weights: size, decode speed, quality
 
 Markdown tables go to stdout, everything measured to --json.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 import cache as kvcache
-from generate import DEFAULT_CHECKPOINT, Decoder, resolve_checkpoint
+from generate import DEFAULT_CHECKPOINT, ArgumentParser, Decoder, resolve_checkpoint, run_cli
 from model import Transformer
 
 
@@ -36,10 +38,6 @@ def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     return 2 * n_bytes / median_time(lambda: dst.copy_(src), repeats)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 # ---- engine: HF vs ours -------------------------------------------------------------------------------------
@@ -95,7 +93,7 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
     torch.manual_seed(0)
     prompt = torch.randint(100, model.args.vocab_size - 100, (1, args.prompt_len))
     bandwidth = copy_bandwidth()
-    wbytes = weight_bytes(model)
+    wbytes = model.weight_bytes()
     floor_tok_s = bandwidth / wbytes
     rows = {}
     from scripts.prepare import default_gguf
@@ -169,10 +167,54 @@ def bench_policies(model: Transformer, args: argparse.Namespace) -> dict:
     return results
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# ---- quantization: size, speed and what it costs -------------------------------------------------------------
+def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
+    """Each mode quantizes the float model in memory (what quantize.py writes), then decodes compiled and is
+    teacher-forced over --quality-tokens of real text against the float model's distributions."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import evaltasks
+    import quantize
+    from generate import load
+
+    _, tokenizer = load(checkpoint, "cpu", torch.float32)
+    ids = torch.tensor([tokenizer.encode(evaltasks.load_text(args.quality_text))[: args.quality_tokens]])
+    torch.manual_seed(0)
+    prompt = torch.randint(100, model.args.vocab_size - 100, (1, args.prompt_len))
+    model.setup_caches(lambda i: None)
+    with torch.inference_mode():
+        ref = F.log_softmax(model(ids, all_logits=True)[0, :-1], -1)
+    rows = {}
+    for mode in ["fp32", "int8", *(f"int4-g{g}" for g in args.group_sizes)]:
+        m = model if mode == "fp32" else quantize.quantize_model(
+            copy.deepcopy(model), mode[:4], int(mode[6:]) if mode.startswith("int4") else 0)
+        m.setup_caches(lambda i: None)  # a plain causal forward: no cache to fill
+        with torch.inference_mode():
+            lp = F.log_softmax(m(ids, all_logits=True)[0, :-1], -1)
+        nll = -lp.gather(-1, ids[0, 1:, None]).mean()
+        rows[mode] = {"weight_MB": m.weight_bytes() / 1e6, "ppl": nll.exp().item(),
+                      "kl": (ref.exp() * (ref - lp)).sum(-1).mean().item(),
+                      "top1": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                      **time_ours(m, prompt, args.new_tokens, True, args.repeats)}
+        torch._dynamo.reset()
+    fp32 = rows["fp32"]["tok_s"]
+    print(f"\nweights quantized in memory (quantize.quantize_model); decode: compiled, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, median of {args.repeats}; quality: {ids.shape[1]} tokens of "
+          f"{args.quality_text!r} teacher-forced, KL(fp32 || mode) and top-1 agreement per position\n")
+    print("| weights | MB | decode tok/s | vs fp32 | perplexity | KL vs fp32 | top-1 vs fp32 |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, r in rows.items():
+        print(f"| {mode} | {r['weight_MB']:.0f} | {r['tok_s']:.1f} | {r['tok_s'] / fp32:.2f}x | {r['ppl']:.2f} | "
+              f"{r['kl']:.4f} | {r['top1']:.3f} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
-    p.add_argument("--section", choices=["engine", "policies", "all"], default="engine", help="which tables")
+    p.add_argument("--section", choices=["engine", "policies", "quantize", "all"], default="engine", help="which tables")
     p.add_argument("--prompt-len", type=int, default=512, help="engine table: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="engine table: tokens decoded")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
@@ -181,8 +223,12 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096], help="policies table: prompts")
     p.add_argument("--budget", type=float, default=0.25, help="policies table: cache budget")
     p.add_argument("--steps", type=int, default=16, help="policies table: decode steps per timed repeat")
+    p.add_argument("--group-sizes", type=int, nargs="+", default=[32, 64], help="quantize table: int4 groups")
+    p.add_argument("--quality-text", default="jargon",
+                   help="quantize table: text source (see eval.py --ppl-text; `make data` fetches it) or a file")
+    p.add_argument("--quality-tokens", type=int, default=1024, help="quantize table: tokens of that text")
     p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model = Transformer.from_checkpoint(checkpoint)
@@ -191,9 +237,11 @@ def main() -> None:
         out["engine"] = bench_engine(model, checkpoint, args)
     if args.section in ("policies", "all"):
         out["policies"] = bench_policies(model, args)
+    if args.section in ("quantize", "all"):
+        out["quantize"] = bench_quantize(model, checkpoint, args)
     args.json.write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))
