@@ -9,7 +9,8 @@ Two independent axes:
     --prompt-compression NAME    which `capacity` prompt tokens each KV head keeps when the prompt is too long
                                  (default: the policy's partner, e.g. scissorhands + snapkv)
 plus --cache-budget (fraction of prompt + new tokens, or slots per layer), --layer-budget
-uniform|pyramid|funnel and each method's hyper-parameters (defaults from its paper). `--cache-config NAME`
+uniform|pyramid|funnel, --kv-bits 8|4 (quantized K/V storage, any policy) and each method's hyper-parameters
+(defaults from its paper). `--cache-config NAME`
 loads cache_configs/NAME.yaml; flags given on the command line override it. A flag the chosen policy and
 compressor do not use is an error.
 
@@ -53,6 +54,7 @@ import yaml
 from kv.budgets import LAYER_SCHEDULES, layer_capacities, resolve_capacity, resolve_count
 from kv.policies import POLICIES, FullCache, WindowCache
 from kv.prompt import PROMPT_COMPRESSORS
+from kv.quant import KV_BITS
 from kv.slots import KVCache
 from model import KVFastError, ModelArgs
 
@@ -132,7 +134,8 @@ PARAMS: dict[str, tuple[Any, str]] = {
     "gqa_reduce": (_choice("mean", "max"), "reduce the scores of a KV head's query heads: mean|max (mean)"),
     "h2o_normalize": (_bool, "h2o: divide accumulated attention by the number of queries that saw the token"),
 }
-GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta")
+GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
+           "kv_group_size")
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
@@ -152,6 +155,13 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pyramid-beta", type=float, default=None,
                    help="pyramid/funnel: the smallest layer gets about 1/beta of the average "
                         f"({DEFAULT_PYRAMID_BETA})")
+    g.add_argument("--kv-bits", type=int, default=None,
+                   help=f"store K/V quantized: {' or '.join(map(str, KV_BITS))} bits per value, per token and "
+                        "group of channels, with an fp32 scale and zero point per group (default: the compute "
+                        "dtype); works with every policy")
+    g.add_argument("--kv-group-size", type=int, default=None,
+                   help="--kv-bits: channels per scale / zero point; must divide the head dimension (default: "
+                        "the head dimension, one group per token and head)")
     for name, (_, text) in PARAMS.items():
         if name == "h2o_normalize":
             g.add_argument(f"--{_flag(name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
@@ -196,6 +206,8 @@ class CacheSpec:
     layer_budget: str | None = None
     pyramid_beta: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
     cli: set[str] = field(default_factory=set)  # keys given on the command line (they beat the preset)
 
     @classmethod
@@ -208,7 +220,8 @@ class CacheSpec:
         return cls(policy=merged.get("cache", "full"), prompt_compression=merged.get("prompt_compression"),
                    budget=merged.get("cache_budget"), layer_budget=merged.get("layer_budget"),
                    pyramid_beta=merged.get("pyramid_beta"),
-                   params={k: v for k, v in merged.items() if k in PARAMS}, cli=set(cli))
+                   params={k: v for k, v in merged.items() if k in PARAMS}, cli=set(cli),
+                   kv_bits=merged.get("kv_bits"), kv_group_size=merged.get("kv_group_size"))
 
     def resolve(self) -> tuple[type[KVCache], type | None, dict[str, Any]]:
         """Validate names, unused flags and values; return (policy class, compressor class, all
@@ -243,6 +256,12 @@ class CacheSpec:
             _choice(*LAYER_SCHEDULES)("layer_budget", self.layer_budget)
         if self.pyramid_beta is not None:
             _whole(1)("pyramid_beta", self.pyramid_beta)
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise KVFastError(f"--kv-bits must be {' or '.join(map(str, KV_BITS))}, got {self.kv_bits}")
+        if self.kv_group_size is not None:
+            if self.kv_bits is None:
+                raise KVFastError("--kv-group-size is only used with --kv-bits")
+            _whole(1)("kv_group_size", self.kv_group_size)
         return policy, compressor, values
 
     def schedule(self) -> str:
@@ -268,12 +287,14 @@ def cache_factory_from_args(args: argparse.Namespace, batch_size: int, model_arg
 def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: ModelArgs | None = None,
                        prompt_len: int = 0, max_new_tokens: int = 0, *, prompt_compression: str | None = None,
                        budget: float | None = None, layer_budget: str | None = None,
-                       pyramid_beta: int | None = None, dtype: torch.dtype = torch.float32,
+                       pyramid_beta: int | None = None, kv_bits: int | None = None,
+                       kv_group_size: int | None = None, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu", **params: Any) -> CacheFactory:
     """make_cache(layer) for Transformer.setup_caches; params are hyper-parameters by name (n_sinks=4,
     ...)."""
     given = set(params) | ({"cache_budget"} if budget is not None else set())
-    spec = CacheSpec(policy, prompt_compression, budget, layer_budget, pyramid_beta, params, given)
+    spec = CacheSpec(policy, prompt_compression, budget, layer_budget, pyramid_beta, params, kv_bits=kv_bits,
+                     kv_group_size=kv_group_size, cli=given)
     model_args = model_args or ModelArgs()
     return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device)
 
@@ -293,6 +314,13 @@ class CacheFactory:
         self.layer_budget = spec.schedule()
         self.batch_size, self.model_args, self.dtype, self.device = batch_size, model_args, dtype, device
         self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
+        self.kv_bits, self.kv_group_size = spec.kv_bits, spec.kv_group_size or model_args.head_dim
+        if self.kv_bits and model_args.head_dim % self.kv_group_size:
+            raise KVFastError(f"--kv-group-size {self.kv_group_size} does not divide the head dimension "
+                              f"{model_args.head_dim}")
+        if self.kv_bits == 4 and model_args.head_dim % 2:
+            raise KVFastError(f"--kv-bits 4 packs two channels per byte: the head dimension {model_args.head_dim} "
+                              "must be even")
         beta = int(spec.pyramid_beta or DEFAULT_PYRAMID_BETA)
         total, n_layers = prompt_len + max_new_tokens, model_args.n_layers
         window_param = self.compressor_cls.window_param if self.compressor_cls else None
@@ -380,6 +408,7 @@ class CacheFactory:
         return self.cls(self.batch_size, a.n_kv_heads, a.head_dim, self.capacities[layer],
                         n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],
                         compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
+                        kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
                         **self.layer_values[layer])
 
     def describe(self) -> str:
@@ -387,7 +416,10 @@ class CacheFactory:
         cap = str(caps[0]) if len(caps) == 1 else f"{caps[0]}..{caps[-1]} ({self.layer_budget})"
         params = ", ".join(f"{_flag(k)} {v}" for k, v in sorted(self.layer_values[0].items()))
         comp = f" + {self.prompt_compression} prompt compression" if self.prompt_compression else ""
-        return f"cache: {self.policy}{comp}, capacity per layer {cap} slots" + (f"; {params}" * bool(params))
+        quant = (f"; K/V stored as {self.kv_bits}-bit codes, fp32 scale + zero point per {self.kv_group_size} "
+                 "channels" if self.kv_bits else "")
+        return (f"cache: {self.policy}{comp}, capacity per layer {cap} slots" + (f"; {params}" * bool(params))
+                + quant)
 
 
 # ---- reporting ------------------------------------------------------------------------------------------
@@ -397,7 +429,7 @@ def cache_report(caches: list[KVCache]) -> dict[str, Any]:
     kept = sum(c.kept().float().mean().item() for c in caches) / len(caches)
     kv_bytes = sum(c.physical_bytes() for c in caches)
     # what a full cache would hold for the same tokens: 2 (K and V) x B x H_kv x seen x D per layer
-    full_bytes = sum(2 * c.k[:, :, :1].numel() * seen * c.k.element_size() for c in caches)
+    full_bytes = sum(2 * c.batch_size * c.n_kv_heads * seen * c.head_dim * c.dtype.itemsize for c in caches)
     return {"policy": caches[0].name, "capacities": [c.capacity for c in caches], "seen": seen, "kept": kept,
             "evicted": seen - kept, "kv_bytes": kv_bytes, "full_kv_bytes": full_bytes,
             "overhead_bytes": sum(c.overhead_bytes() for c in caches),

@@ -95,6 +95,8 @@ class MultiCache(nn.Module):
         if len(intervals) > 1:
             raise ValueError(f"members refresh at different intervals {intervals}")
         self.refresh_interval = next(iter(intervals), None)
+        if any(m.kv_bits for m in members):
+            raise ValueError("MultiCache shares full-precision K/V buffers; quantized K/V is not batched")
         B, H, _, D = members[0].k.shape
         self.rows = B
         C = max(m.capacity for m in members)

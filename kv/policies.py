@@ -241,7 +241,7 @@ class KNormCache(KVCache):
         self.key_norm[..., :n] = gather_tokens(k.float().norm(dim=-1), keep, n)
 
     def synthetic_state(self, generator: torch.Generator | None) -> None:
-        self.key_norm.copy_(self.k.float().norm(dim=-1))
+        self.key_norm.copy_(self.keys_values()[0].float().norm(dim=-1))
 
 
 class SnapKVCache(KVCache):

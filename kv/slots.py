@@ -12,6 +12,10 @@ recompiles: a new token overwrites one slot per KV head, chosen by
 so empty slots fill first, protected tokens never leave, and a policy only defines `slot_scores` (low =
 evicted first) and the statistics behind it. Every row of the batch and every KV head chooses on its own.
 
+With kv_bits (8 or 4), k and v hold uint8 codes ([B, H_kv, C, D] or packed [B, H_kv, C, D/2]) beside fp32
+k_scale / k_zero / v_scale / v_zero [B, H_kv, C, D/group]: write_slots quantizes only the tokens it writes,
+keys_values dequantizes for attention (kv.quant). Policies see full-precision K at insert and prefill.
+
 Hooks a policy may override (each a few lines):
     init_state()                 register its statistics with add_state()
     slot_scores(input_pos)       [B, H_kv, C] float, low = evicted first
@@ -28,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from kv.quant import dequantize_tokens, quantize_tokens, storage_width
 from model import KVFastError
 
 INF = float("inf")
@@ -88,7 +93,8 @@ class KVCache(nn.Module):
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, capacity: int, *, n_groups: int = 1,
                  prompt_capacity: int | None = None, compressor=None, layer: int = 0,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **params: Any):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 kv_bits: int | None = None, kv_group_size: int | None = None, **params: Any):
         super().__init__()
         unknown = set(params) - set(self.params)
         if unknown:
@@ -102,15 +108,53 @@ class KVCache(nn.Module):
         self.compressor = compressor
         self.layer = layer
         self.device = torch.device(device)
+        self.dtype = dtype
+        self.kv_bits, self.kv_group_size = kv_bits, (kv_group_size or head_dim) if kv_bits else None
         shape = (batch_size, n_kv_heads, capacity, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        if kv_bits:
+            codes = (*shape[:3], storage_width(head_dim, kv_bits))
+            groups = (*shape[:3], head_dim // self.kv_group_size)
+            for name in ("k", "v"):
+                self.register_buffer(name, torch.zeros(codes, dtype=torch.uint8, device=device), persistent=False)
+                for part in ("scale", "zero"):
+                    self.register_buffer(f"{name}_{part}", torch.zeros(groups, dtype=torch.float32, device=device),
+                                         persistent=False)
+        else:
+            self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("slot_pos", torch.full(shape[:3], -1, dtype=torch.long, device=device),
                              persistent=False)
         # tokens seen so far = the next position; read once at the end for the report (no per-step sync)
         self.register_buffer("seen", torch.zeros(1, dtype=torch.long, device=device), persistent=False)
         self._state_fill: dict[str, float | int] = {}
         self.init_state()
+
+    # ---- K/V storage ---------------------------------------------------------------------------------
+    def kv_buffers(self) -> list[str]:
+        """Names of the buffers that hold K/V (codes, scales and zero points when quantized)."""
+        return ["k", "v"] if not self.kv_bits else ["k", "k_scale", "k_zero", "v", "v_scale", "v_zero"]
+
+    def write_slots(self, slot: Tensor | None, k: Tensor, v: Tensor) -> None:
+        """Store K/V [B, H_kv, n, D] in slots `slot` [B, H_kv, n] (None: slots 0..n-1), quantizing each token
+        once if kv_bits."""
+        if self.kv_bits:
+            parts = [*quantize_tokens(k, self.kv_bits, self.kv_group_size),
+                     *quantize_tokens(v, self.kv_bits, self.kv_group_size)]
+        else:
+            parts = [k, v]
+        for name, value in zip(self.kv_buffers(), parts):
+            buffer = getattr(self, name)
+            if slot is None:
+                buffer[:, :, : value.shape[2]] = value
+            else:
+                buffer.scatter_(2, slot.unsqueeze(-1).expand(value.shape), value)
+
+    def keys_values(self) -> tuple[Tensor, Tensor]:
+        """Every slot's K and V [B, H_kv, C, D] in the compute dtype (dequantized if kv_bits)."""
+        if not self.kv_bits:
+            return self.k, self.v
+        return (dequantize_tokens(self.k, self.k_scale, self.k_zero, self.kv_bits, self.dtype),
+                dequantize_tokens(self.v, self.v_scale, self.v_zero, self.kv_bits, self.dtype))
 
     # ---- statistics buffers --------------------------------------------------------------------------
     def add_state(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
@@ -144,8 +188,7 @@ class KVCache(nn.Module):
         n = min(S, self.prompt_capacity)
         if S <= self.prompt_capacity:
             keep = None
-            self.k[:, :, :S] = k
-            self.v[:, :, :S] = v
+            self.write_slots(None, k, v)
             self.slot_pos[:, :, :S] = torch.arange(S, device=k.device)
         else:
             if self.compressor is None:
@@ -153,8 +196,7 @@ class KVCache(nn.Module):
                                   f"{self.prompt_capacity} slots and no prompt compressor is set")
             keep = self.compressor.select(q, k, n, self.n_sinks, self.recent_window, memo)  # [B, H, n]
             index = keep.unsqueeze(-1).expand(B, H, n, D)
-            self.k[:, :, :n] = k.gather(2, index)
-            self.v[:, :, :n] = v.gather(2, index)
+            self.write_slots(None, k.gather(2, index), v.gather(2, index))
             self.slot_pos[:, :, :n] = keep
         self.slot_pos[:, :, n:] = -1
         self.seen.fill_(S)
@@ -168,14 +210,12 @@ class KVCache(nn.Module):
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Write one token's K/V ([B, H_kv, 1, D]) at position input_pos ([1]); return all slots + mask."""
         slot = self.choose_slot(input_pos)  # [B, H_kv]
-        B, H, _, D = k.shape
-        index = slot.view(B, H, 1, 1).expand(B, H, 1, D)
-        self.k.scatter_(2, index, k)
-        self.v.scatter_(2, index, v)
+        B, H = slot.shape
+        self.write_slots(slot.view(B, H, 1), k, v)
         self.slot_pos.scatter_(2, slot.view(B, H, 1), input_pos.view(1, 1, 1).expand(B, H, 1))
         self.seen.copy_(input_pos + 1)
         self.on_insert(slot, k, input_pos)
-        return self.k, self.v, (self.slot_pos >= 0).unsqueeze(2)
+        return *self.keys_values(), (self.slot_pos >= 0).unsqueeze(2)
 
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """Per KV head, the slot the new token goes to: an empty one, else the lowest-scored evictable one."""
@@ -208,8 +248,7 @@ class KVCache(nn.Module):
         positions = torch.cat([torch.arange(sinks), torch.arange(seq_len - (n - sinks), seq_len)])
         self.reset()
         shape = (self.batch_size, self.n_kv_heads, n, self.head_dim)
-        self.k[:, :, :n] = torch.randn(shape, generator=generator).to(self.k)
-        self.v[:, :, :n] = torch.randn(shape, generator=generator).to(self.v)
+        self.write_slots(None, *(torch.randn(shape, generator=generator).to(self.device, self.dtype) for _ in "kv"))
         self.slot_pos[:, :, :n] = positions.to(self.slot_pos)
         self.seen.fill_(seq_len)
         self.synthetic_state(generator)
@@ -226,8 +265,9 @@ class KVCache(nn.Module):
         return int(self.seen.item())
 
     def physical_bytes(self) -> int:
-        """Bytes of the K/V buffers (what a full cache would hold for every token)."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """Bytes of the K/V buffers (what a full cache would hold for every token), scales and zero points of
+        quantized K/V included."""
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.kv_buffers())
 
     def overhead_bytes(self) -> int:
         """Bytes of bookkeeping beside K/V: slot positions and the policy's statistics."""

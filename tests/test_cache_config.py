@@ -58,6 +58,10 @@ def run(capsys, checkpoint, *argv):
      "--drop-interval 35 is larger than the budget allows: at most 31 slots"),
     (["--cache", "window", "--cache-budget", "30", "--recent-window", "20"],
      "give --cache-budget or --recent-window, not both"),
+    (["--kv-bits", "3"], "--kv-bits must be 8 or 4, got 3"),
+    (["--kv-group-size", "16"], "--kv-group-size is only used with --kv-bits"),
+    (["--cache", "h2o", "--kv-bits", "8", "--kv-group-size", "12"],
+     "--kv-group-size 12 does not divide the head dimension 32"),
 ])
 def test_bad_configs_fail_with_one_line(argv, expected, tiny_checkpoint, capsys):
     code, out, err = run(capsys, tiny_checkpoint, *argv)
@@ -109,7 +113,7 @@ def test_help_lists_every_flag():
     kvcache.add_cache_args(parser)
     text = parser.format_help()
     for flag in ("--cache", "--prompt-compression", "--cache-budget", "--layer-budget", "--pyramid-beta",
-                 "--cache-config", *(f"--{name.replace('_', '-')}" for name in kvcache.PARAMS)):
+                 "--cache-config", "--kv-bits", "--kv-group-size", *(f"--{name.replace('_', '-')}" for name in kvcache.PARAMS)):
         assert flag in text
 
 
