@@ -3,6 +3,7 @@
     python bench.py                       # engine: HF transformers vs our eager vs our compiled decode
     python bench.py --section policies    # decode step time per cache policy at 512 / 2048 / 4096 tokens
     python bench.py --section quantize    # fp32 vs int8 vs int4 weights: size, decode speed, quality
+    python bench.py --section kv-bits     # K/V stored in fp32 vs 8 vs 4 bits: decode step time and KV bytes
 
 Markdown tables go to stdout, everything measured to --json.
 """
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 import cache as kvcache
 from generate import DEFAULT_CHECKPOINT, ArgumentParser, Decoder, resolve_checkpoint, run_cli
@@ -118,13 +120,13 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
 
 # ---- policies: decode step time at long context --------------------------------------------------------------
 def step_time(model: Transformer, policy: str, context_len: int, budget: float | None, steps: int,
-              repeats: int) -> tuple[float, int]:
+              repeats: int, **cache_kwargs) -> tuple[float, int]:
     """Median seconds per compiled decode step with the caches filled as after `context_len` tokens.
 
     The cached K/V are random (kvcache.setup_decode_benchmark): the model's own 4k prefill would cost minutes
     on 2 cores and does not change what a decode step costs. Returns (seconds, capacity of layer 0)."""
     new = steps * (repeats + 1) + 1
-    kwargs = {} if budget is None else {"budget": budget}
+    kwargs = cache_kwargs if budget is None else {"budget": budget, **cache_kwargs}
     kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=new, **kwargs)
     torch._dynamo.reset()  # new cache buffers: start from a clean compile cache (dynamo's recompile limit)
     decoder = Decoder(model, compile=True)
@@ -164,6 +166,58 @@ def bench_policies(model: Transformer, args: argparse.Namespace) -> dict:
                                   "bookkeeping_share": share}
             cells.append(f"{1e3 * t:.1f} ({full[n] / t:.2f}x), {100 * share:.0f} %")
         print(f"| {policy} | " + " | ".join(cells) + " |", flush=True)
+    return results
+
+
+# ---- quantized K/V: what a step costs and what the cache holds ---------------------------------------------------
+def forced_logprobs(model: Transformer, policy: str, ids: Tensor, budget: float | None, **cache_kwargs) -> Tensor:
+    """Prefill the first half of ids [1, T], teacher-force the rest through the (eager) decode step: the
+    next-token log-probs [T/2 - 1, V] of the second half."""
+    P, T = ids.shape[1] // 2, ids.shape[1]
+    kwargs = {} if budget is None else {"budget": budget}
+    model.setup_caches(kvcache.make_cache_factory(policy, 1, model.args, P, T - P, **kwargs, **cache_kwargs))
+    steps: list[Tensor] = []
+    with torch.inference_mode():
+        model(ids[:, :P])
+        Decoder(model).decode(ids[:, P : P + 1], P, T - P - 1, forced=ids[:, P + 1 :],
+                              on_logits=lambda i, logits: steps.append(torch.log_softmax(logits[0, 0].float(), -1)))
+    return torch.stack(steps)
+
+
+def bench_kv_bits(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
+    import evaltasks
+    from generate import load
+
+    _, tokenizer = load(checkpoint, "cpu", torch.float32)
+    ids = torch.tensor([tokenizer.encode(evaltasks.load_text(args.quality_text))[: args.quality_tokens]])
+    policies = args.policies or ["full", "h2o"]
+    results: dict[str, dict] = {}
+    print(f"\ndecode step time (ms), compiled, K/V stored in the compute dtype vs --kv-bits 8 / 4 (one group per "
+          f"token and head); budget {args.budget:g} for policies other than full; KV = MB the caches hold. "
+          f"Quality: {ids.shape[1]} tokens of {args.quality_text!r}, the first half prefilled, the second "
+          "teacher-forced through the decode step; KL(fp32 K/V || quantized) and top-1 agreement per token\n")
+    print("| policy | K/V | " + " | ".join(f"{n} tokens: step (vs fp32), KV MB" for n in args.lengths)
+          + " | KL vs fp32 | top-1 vs fp32 |")
+    print("|---|---|" + "---|" * (len(args.lengths) + 2))
+    for policy in policies:
+        budget = None if policy == "full" else args.budget
+        base: dict[int, float] = {}
+        reference = forced_logprobs(model, policy, ids, budget)
+        for bits in (None, 8, 4):
+            cells, row = [], {}
+            for n in args.lengths:
+                t, _ = step_time(model, policy, n, budget, args.steps, args.repeats, kv_bits=bits)
+                kv_mb = sum(c.physical_bytes() for c in model.caches) / 1e6
+                base.setdefault(n, t)
+                row[n] = {"step_s": t, "kv_MB": kv_mb}
+                cells.append(f"{1e3 * t:.1f} ({base[n] / t:.2f}x), {kv_mb:.1f}")
+            lp = reference if bits is None else forced_logprobs(model, policy, ids, budget, kv_bits=bits)
+            row["kl"] = (reference.exp() * (reference - lp)).sum(-1).mean().item()
+            row["top1"] = (lp.argmax(-1) == reference.argmax(-1)).float().mean().item()
+            label = "fp32" if bits is None else f"{bits}-bit"
+            results[f"{policy}/{label}"] = row
+            print(f"| {policy} | {label} | " + " | ".join(cells) + f" | {row['kl']:.4f} | {row['top1']:.3f} |",
+                  flush=True)
     return results
 
 
@@ -214,19 +268,22 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
-    p.add_argument("--section", choices=["engine", "policies", "quantize", "all"], default="engine", help="which tables")
+    p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "all"], default="engine", help="which tables")
     p.add_argument("--prompt-len", type=int, default=512, help="engine table: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="engine table: tokens decoded")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
     p.add_argument("--skip-hf", action="store_true", help="engine table without the HF transformers row")
-    p.add_argument("--policies", nargs="*", help="policies table: policies (default: all but full)")
+    p.add_argument("--policies", nargs="*",
+                   help="policies table: policies (default: all but full); kv-bits table: (default: full h2o)")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096], help="policies table: prompts")
     p.add_argument("--budget", type=float, default=0.25, help="policies table: cache budget")
     p.add_argument("--steps", type=int, default=16, help="policies table: decode steps per timed repeat")
     p.add_argument("--group-sizes", type=int, nargs="+", default=[32, 64], help="quantize table: int4 groups")
     p.add_argument("--quality-text", default="jargon",
-                   help="quantize table: text source (see eval.py --ppl-text; `make data` fetches it) or a file")
-    p.add_argument("--quality-tokens", type=int, default=1024, help="quantize table: tokens of that text")
+                   help="quantize and kv-bits tables: text source (see eval.py --ppl-text; `make data` fetches "
+                        "it) or a file")
+    p.add_argument("--quality-tokens", type=int, default=1024,
+                   help="quantize and kv-bits tables: tokens of that text")
     p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -237,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
         out["engine"] = bench_engine(model, checkpoint, args)
     if args.section in ("policies", "all"):
         out["policies"] = bench_policies(model, args)
+    if args.section in ("kv-bits", "all"):
+        out["kv_bits"] = bench_kv_bits(model, checkpoint, args)
     if args.section in ("quantize", "all"):
         out["quantize"] = bench_quantize(model, checkpoint, args)
     args.json.write_text(json.dumps(out, indent=1))

@@ -121,6 +121,12 @@ def linears(model: Transformer) -> list[tuple[nn.Module, str, Linear]]:
     return out
 
 
+def empty_quantized(lin: Linear, mode: str, group_size: int) -> nn.Module:
+    if mode == "int8":
+        return Int8Linear(lin.in_features, lin.out_features)
+    return Int4Linear(lin.in_features, lin.out_features, group_size)
+
+
 def check_group_size(model: Transformer, group_size: int) -> None:
     bad = sorted({lin.in_features for _, _, lin in linears(model) if lin.in_features % group_size})
     if bad:
@@ -137,11 +143,10 @@ def quantize_model(model: Transformer, mode: str, group_size: int = 32) -> Trans
         check_group_size(model, group_size)
     dtype = model.norm.weight.dtype
     for parent, name, lin in linears(model):
+        new = empty_quantized(lin, mode, group_size)
         if mode == "int8":
-            new: nn.Module = Int8Linear(lin.in_features, lin.out_features)
             new.weight, new.scales = quantize_int8(lin.weight)
         else:
-            new = Int4Linear(lin.in_features, lin.out_features, group_size)
             new.weight, new.scales, new.offsets = quantize_int4(lin.weight, group_size)
         setattr(parent, name, new.to(lin.weight.device, dtype))
     heads = [("tok_embeddings", model.tok_embeddings)] + ([("output", model.output)] if model.output else [])
@@ -161,9 +166,7 @@ def prepare_quantized(model: Transformer, state: dict[str, Tensor], source: Path
     mode = "int8" if wqkv.dim() == 1 else "int4"
     group_size = model.args.dim // wqkv.shape[1] if mode == "int4" else 0
     for parent, name, lin in linears(model):
-        new = (Int8Linear(lin.in_features, lin.out_features) if mode == "int8"
-               else Int4Linear(lin.in_features, lin.out_features, group_size))
-        setattr(parent, name, new)
+        setattr(parent, name, empty_quantized(lin, mode, group_size))
     model.tok_embeddings = Int8Embedding(model.args.vocab_size, model.args.dim)
     if model.output is not None:
         model.output = Int8Linear(model.args.dim, model.args.vocab_size)
