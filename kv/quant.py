@@ -3,8 +3,8 @@
 The plain per-token baseline of ../shared/reference/algorithms.md (8b; FlexGen-style, what H2O and
 Scissorhands report as compatible): each group of `group_size` channels of one token's key (or value) vector
 gets its own scale and zero point, and codes in [0, 2^bits - 1]. Scale and zero point are fp32, not the
-reference's fp16: Inductor keeps fp32 where eager code rounds to fp16 (it does not emulate precision casts by
-default), so fp16 scales made compiled codes differ from eager ones; fp32 costs 4 more bytes per group.
+reference's fp16: with fp16 ones compiled decoding stored other codes than eager (most likely because
+Inductor keeps fp32 where eager code rounds to fp16); fp32 costs 4 more bytes per group.
 A token is quantized once, when it is written; reads dequantize. Nothing is ever re-quantized
 (no dequantize-concatenate-requantize flush as in HF's QuantizedCache), so a stored token never drifts.
 
