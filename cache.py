@@ -10,9 +10,8 @@ Two independent axes:
                                  (default: the policy's partner, e.g. scissorhands + snapkv)
 plus --cache-budget (fraction of prompt + new tokens, or slots per layer), --layer-budget
 uniform|pyramid|funnel, --kv-bits 8|4 (quantized K/V storage, any policy) and each method's hyper-parameters
-(defaults from its paper). `--cache-config NAME`
-loads cache_configs/NAME.yaml; flags given on the command line override it. A flag the chosen policy and
-compressor do not use is an error.
+(defaults from its paper). `--cache-config NAME` loads cache_configs/NAME.yaml; flags given on the command
+line override it. A flag the chosen policy and compressor do not use is an error.
 
 Use from code (generate.py, eval.py, bench.py):
 
