@@ -22,7 +22,7 @@ from torch import Tensor
 
 import cache as kvcache
 from generate import DEFAULT_CHECKPOINT, ArgumentParser, Decoder, resolve_checkpoint, run_cli
-from model import Transformer
+from model import KVFastError, Transformer
 
 
 def median_time(fn, repeats: int) -> float:
@@ -233,6 +233,10 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
     import quantize
     from generate import load
 
+    if isinstance(model.tok_embeddings, quantize.Int8Embedding):
+        raise KVFastError("--section quantize compares against fp32: give the float checkpoint")
+    for g in args.group_sizes:
+        quantize.check_group_size(model, g)
     _, tokenizer = load(checkpoint, "cpu", torch.float32)
     ids = torch.tensor([tokenizer.encode(evaltasks.load_text(args.quality_text))[: args.quality_tokens]])
     torch.manual_seed(0)

@@ -198,7 +198,13 @@ def main(argv: list[str] | None = None) -> Path:
     out = args.out or folder / output_name(args.mode, args.group_size)
     if out.parent.resolve() != folder.resolve():
         raise KVFastError(f"--out must lie in the checkpoint folder {folder} (it holds config.json and the tokenizer)")
-    torch.save(model.state_dict(), out)
+    if out.name in ("model.safetensors", "model.pth") or out.suffix != ".pth":
+        raise KVFastError(f"--out {out.name}: give a new .pth name (model.safetensors / model.pth are the float "
+                          "weights a folder loads by default)")
+    try:
+        torch.save(model.state_dict(), out)
+    except (OSError, RuntimeError) as e:
+        raise KVFastError(f"cannot write {out}: {str(e).splitlines()[0]}") from None
     print(f"wrote {out}: {args.mode}{'' if args.mode == 'int8' else f' (groups of {args.group_size})'}, "
           f"weights {before / 1e6:.1f} MB -> {model.weight_bytes() / 1e6:.1f} MB")
     return out

@@ -44,5 +44,5 @@ def dequantize_tokens(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, dty
         codes = torch.cat([codes & 15, codes >> 4], -1)
     *lead, D = codes.shape
     n_groups = scale.shape[-1]
-    groups = codes.to(dtype).reshape(*lead, n_groups, D // n_groups)
-    return (groups * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]).reshape(*lead, D)
+    groups = codes.float().reshape(*lead, n_groups, D // n_groups)  # fp32 math, one rounding to `dtype`
+    return (groups * scale[..., None] + zero[..., None]).reshape(*lead, D).to(dtype)

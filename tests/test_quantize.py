@@ -131,6 +131,8 @@ def test_quantize_cli_errors_are_one_line(tiny_checkpoint, tmp_path, capsys):  #
         (["--mode", "int4", "--group-size", "64"], "--group-size 64 does not divide the input width 96"),
         (["--checkpoint", str(tmp_path / "nowhere")], "checkpoint not found"),
         (["--out", str(tmp_path / "elsewhere.pth")], "--out must lie in the checkpoint folder"),
+        (["--out", str(ckpt / "model.safetensors")], "give a new .pth name"),
+        (["--out", str(ckpt / "model.pth")], "give a new .pth name"),
     ]
     for argv, expected in cases:
         code, err = run_quantize(capsys, "--checkpoint", str(ckpt), *argv)
