@@ -117,9 +117,10 @@ def test_help_lists_every_flag():
         assert flag in text
 
 
-def test_report_counts_buffers():
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_report_counts_buffers(kv_bits):
     model = tiny_model()
-    factory = kvcache.make_cache_factory("h2o", 2, model.args, 40, 10, budget=16)
+    factory = kvcache.make_cache_factory("h2o", 2, model.args, 40, 10, budget=16, kv_bits=kv_bits)
     model.setup_caches(factory)
     with torch.inference_mode():
         model(torch.randint(0, 64, (2, 40)))
@@ -127,10 +128,12 @@ def test_report_counts_buffers():
             model(torch.randint(0, 64, (2, 1)), torch.tensor([t]))
     r = kvcache.cache_report(model.caches)
     a = model.args
+    # fp32 K/V, or packed 4-bit codes + an fp32 scale and zero point (one group per token and head)
+    per_slot = a.head_dim * 4 if kv_bits is None else a.head_dim // 2 + 2 * 4
     assert (r["seen"], r["kept"], r["evicted"]) == (49, 16, 33)
-    assert r["kv_bytes"] == a.n_layers * 2 * 2 * a.n_kv_heads * 16 * a.head_dim * 4
-    assert r["full_kv_bytes"] == a.n_layers * 2 * 2 * a.n_kv_heads * 49 * a.head_dim * 4
-    assert r["compression_ratio"] == pytest.approx(49 / 16)
+    assert r["kv_bytes"] == a.n_layers * 2 * 2 * a.n_kv_heads * 16 * per_slot
+    assert r["full_kv_bytes"] == a.n_layers * 2 * 2 * a.n_kv_heads * 49 * a.head_dim * 4  # fp32, every token
+    assert r["compression_ratio"] == pytest.approx(49 * a.head_dim * 4 / (16 * per_slot))
 
 
 def test_default_drop_interval_fits_the_budget():
