@@ -402,13 +402,13 @@ class CacheFactory:
         compressor = None
         if self.compressor_cls is not None:
             params = {k: v for k, v in self.values.items() if k in self.compressor_cls.params}
-            compressor = self.compressor_cls(layer=layer, **params)
+            compressor = self.compressor_cls(layer=layer, model_args=self.model_args, **params)
         a = self.model_args
         return self.cls(self.batch_size, a.n_kv_heads, a.head_dim, self.capacities[layer],
                         n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],
                         compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
                         kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
-                        **self.layer_values[layer])
+                        model_args=a, **self.layer_values[layer])
 
     def describe(self) -> str:
         caps = sorted(set(self.capacities))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kv.slots import INF, counter_hash, reduce_groups, row_head_salt
-from model import KVFastError
+from model import KVFastError, ModelArgs
 
 PREFILL_BLOCK_ELEMENTS = 1 << 22  # attention probabilities held at once by the blockwise statistics
 
@@ -115,13 +115,14 @@ class PromptCompressor:
     params: ClassVar[dict[str, Any]] = {}
     window_param: ClassVar[str | None] = None  # the parameter naming a window of last tokens always kept
 
-    def __init__(self, layer: int = 0, **params: Any):
+    def __init__(self, layer: int = 0, model_args: ModelArgs | None = None, **params: Any):
         unknown = set(params) - set(self.params)
         if unknown:
             raise KVFastError(f"prompt compressor {self.name!r} does not use {sorted(unknown)}")
         for key, default in self.params.items():
             setattr(self, key, params.get(key, default))
         self.layer = layer
+        self.model_args = model_args  # RoPE and shapes, for compressors that need them (None in unit tests)
 
     @property
     def window(self) -> int:

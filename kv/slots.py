@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from kv.quant import dequantize_tokens, quantize_tokens, storage_width
-from model import KVFastError
+from model import KVFastError, ModelArgs
 
 INF = float("inf")
 
@@ -94,7 +94,8 @@ class KVCache(nn.Module):
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, capacity: int, *, n_groups: int = 1,
                  prompt_capacity: int | None = None, compressor=None, layer: int = 0,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 kv_bits: int | None = None, kv_group_size: int | None = None, **params: Any):
+                 kv_bits: int | None = None, kv_group_size: int | None = None,
+                 model_args: ModelArgs | None = None, **params: Any):
         super().__init__()
         unknown = set(params) - set(self.params)
         if unknown:
@@ -107,6 +108,7 @@ class KVCache(nn.Module):
         self.prompt_capacity = capacity if prompt_capacity is None else prompt_capacity
         self.compressor = compressor
         self.layer = layer
+        self.model_args = model_args  # RoPE and shapes, for policies that need them (None in unit tests)
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_bits, self.kv_group_size = kv_bits, (kv_group_size or head_dim) if kv_bits else None
