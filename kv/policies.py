@@ -252,6 +252,7 @@ class SnapKVCache(KVCache):
 
     name = "snapkv"
     evicts = False
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 0}  # kept by any prompt compressor (SnapKV itself: none)
     default_prompt_compressor = "snapkv"
 
     def slot_scores(self, input_pos: Tensor) -> Tensor:
