@@ -351,7 +351,7 @@ class CacheFactory:
                 raise KVFastError(f"--cache-budget gives {average} slots but {self.policy} keeps every new "
                                   f"token: it needs more than --max-new-tokens ({max_new_tokens})")
             caps = layer_capacities(self.layer_budget, average - max_new_tokens, n_layers,
-                                    min(window, average - max_new_tokens), prompt_len, beta)
+                                    min(n_sinks + window, average - max_new_tokens), prompt_len, beta)
             self.prompt_capacities = [min(c, prompt_len) if prompt_len else c for c in caps]
             self.capacities = [c + max_new_tokens for c in self.prompt_capacities]
         self.layer_values = [self._layer_values(layer, n_sinks, recent, window) for layer in range(n_layers)]

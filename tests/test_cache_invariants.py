@@ -50,7 +50,8 @@ def configs(draw, policy: str):
         least = sinks + max(recent, window) + 1
         budget = draw(st.integers(least, max(least, prompt_len + steps + 4)))
     else:
-        budget = steps + draw(st.integers(max(window, 1), max(window, 1, prompt_len + 4)))
+        least = max(sinks + window, 1)
+        budget = steps + draw(st.integers(least, max(least, prompt_len + 4)))
     if "drop_interval" in used:
         room = min(budget, prompt_len + steps) - sinks - recent + 1
         p["drop_interval"] = draw(st.integers(1, max(1, room)))
