@@ -5,7 +5,8 @@ per layer; with a layer schedule it is the *average* over layers, and `--layer-b
 
 - uniform: every layer gets the same capacity;
 - pyramid: PyramidKV's linear schedule (Cai et al., arXiv:2406.02069; KVCache-Factory `PyramidKVCluster`):
-  the lowest layer gets the most, the top layer about 1/beta of the average, beta = 20;
+  the lowest layer gets the most, the top layer about 1/beta of the average, beta = 20; a sequence shorter
+  than 2 (B - w) keeps the uniform budget, as the reference does;
 - funnel: the same ramp mirrored (more slots in later layers, as Scissorhands' persistence plot suggests and
   cold-compress's `funnel` pattern does).
 
@@ -50,12 +51,19 @@ def pyramid_capacities(average: int, n_layers: int, protected: int, seq_len: int
 
     `average` is the per-layer budget B (window included), `protected` the slots every layer keeps on top of
     its selection (SnapKV's observation window w, or sinks + recent window), `seq_len` the length L being
-    compressed. This is KVCache-Factory's formula: min = (B - w) // beta, max = 2 (B - w) - min, clamped so no
-    layer selects more than L - w tokens, then a linear ramp with integer steps (so the total can exceed
-    n_layers * B by less than n_layers^2 / 2 slots, as in the reference)."""
-    if seq_len <= average or n_layers == 1:
-        return [average] * n_layers  # nothing to compress: the reference falls back to uniform
+    compressed. The rule of KVCache-Factory's `PyramidKVCluster.update_kv` (pyramidkv/pyramidkv_utils.py at
+    commit c97f9d706d63d1b56e980f8b81b2a924c21162b3, its kv-head path included; unchanged since 98e8228bfe4f,
+    2024-10):
+    - L < B: nothing is compressed; L < 2 (B - w): every layer selects B - w. Both are a uniform B here.
+    - otherwise min = (B - w) // beta, max = 2 (B - w) - min, clamped so no layer selects more than L - w
+      tokens, then a linear ramp with integer steps (so the total can exceed n_layers * B by less than
+      n_layers^2 / 2 slots, as in the reference).
+    Its first version (74a0a8926649) differed: no compression only below B - w,
+    a clamp to L - w - 1 and steps // 31."""
     extra = average - protected
+    # n_layers == 1 would divide by zero in the reference; a single layer simply gets the whole budget
+    if seq_len < average or seq_len < 2 * extra or n_layers == 1:
+        return [average] * n_layers
     min_num = extra // beta
     max_num = 2 * extra - min_num
     if max_num >= seq_len - protected:

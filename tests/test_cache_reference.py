@@ -225,16 +225,40 @@ def test_memo_reuses_prompt_statistics():
 
 
 # ---- budgets and per-layer sets ----------------------------------------------------------------------------
+def factory_pyramid_kept(B, w, L, n_layers, layer, beta=20):
+    """Tokens KVCache-Factory's PyramidKVCluster.update_kv keeps in `layer` for a prompt of L tokens
+    (pyramidkv/pyramidkv_utils.py at c97f9d706d63d1b56e980f8b81b2a924c21162b3, transcribed line by line)."""
+    min_num = (B - w) // beta
+    max_num = (B - w) * 2 - min_num
+    if max_num >= L - w:
+        max_num = L - w
+        min_num = (B - w) * 2 - max_num
+    steps = (max_num - min_num) // (n_layers - 1)
+    max_capacity_prompt = max_num - layer * steps
+    if L < B:
+        return L
+    elif L < (B - w) * 2:
+        return B - w + w
+    return max_capacity_prompt + w
+
+
 def test_pyramid_layer_budgets_follow_pyramidkv():
-    # KVCache-Factory: min = (B - w) // beta, max = 2 (B - w) - min, steps = (max - min) // (N - 1); + window
+    # B = 128, w = 8: the reference ramps only from L = 2 (B - w) = 240 on
+    assert layer_capacities("pyramid", 128, 4, 8, 239, beta=20) == [128] * 4
     assert layer_capacities("pyramid", 128, 4, 8, 1000, beta=20) == [242, 166, 90, 14]
     assert layer_capacities("funnel", 128, 4, 8, 1000, beta=20) == [14, 90, 166, 242]
     assert layer_capacities("uniform", 128, 4, 8, 1000) == [128] * 4
-    # no layer keeps more than the sequence: max clamps to L - w, min absorbs the rest
-    assert layer_capacities("pyramid", 128, 3, 8, 200, beta=20) == [200, 128, 56]
-    assert layer_capacities("pyramid", 128, 4, 8, 100, beta=20) == [128] * 4  # L <= B: nothing to compress
+    # just past the threshold, max clamps to L - w and min absorbs the rest
+    assert layer_capacities("pyramid", 128, 3, 8, 240, beta=20) == [240, 128, 16]
+    assert layer_capacities("pyramid", 128, 4, 8, 100, beta=20) == [128] * 4  # L < B: nothing to compress
     caps = layer_capacities("pyramid", 300, 30, 32, 4000)
     assert caps == sorted(caps, reverse=True) and 300 * 30 <= sum(caps) < 300 * 30 + 30 * 30
+    # every length on both sides of L = B and L = 2 (B - w), against the transcribed reference
+    for B, w, n_layers, beta in ((128, 8, 4, 20), (40, 32, 3, 20), (300, 32, 30, 20), (64, 8, 5, 3)):
+        for L in range(B - 3, 2 * (B - w) + 60):
+            caps = layer_capacities("pyramid", B, n_layers, w, L, beta=beta)
+            assert [min(c, L) for c in caps] == [factory_pyramid_kept(B, w, L, n_layers, i, beta)
+                                                 for i in range(n_layers)], (B, w, L)
 
 
 def test_pyramidkv_factory_uses_pyramid_layer_budgets():
