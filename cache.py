@@ -32,9 +32,10 @@ once, at the end, never per step.
 Prefill once, many policies (eval): prefill attention never reads the cache, so keep each layer's post-RoPE
 (q, k, v) and call `cache.prefill(q, k, v, memo=memos[layer])` on every policy's caches. `memo` is a dict per
 (sample, layer) that the caches fill with their budget-independent prompt statistics (compressor scores,
-H2O column sums, SnapKV window votes, Scissorhands' low-attention record, ...), so trying another budget or
-policy on the same sample recomputes none of them. A compressor's scores alone: `PROMPT_COMPRESSORS[name](
-**params).scores(q, k, memo)` ([B, H_kv, S], higher = kept).
+H2O column sums, SnapKV window votes, ...), so trying another budget or policy on the same sample recomputes
+none of them (Scissorhands' low-attention record is taken over the kept tokens, so it is memoized only for a
+prompt that fits). A compressor's scores alone: `PROMPT_COMPRESSORS[name](**params).scores(q, k, memo)`
+([B, H_kv, S], higher = kept).
 
 Timing a decode step (bench): `setup_decode_benchmark(model, policy, context_len, budget=...)` installs the
 caches and fills them as if `context_len` tokens had been seen (random K/V), without running a prefill.

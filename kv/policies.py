@@ -102,15 +102,18 @@ class H2OCache(KVCache):
 
 class ScissorhandsCache(KVCache):
     """Scissorhands (Liu et al., NeurIPS 2023, arXiv:2305.17118): evict the tokens whose attention was most
-    often below uniform (1 / number of valid slots) over the last history_window steps; recent window kept.
+    often below uniform over the last history_window steps; recent window kept.
 
-    Each step records one bit per slot (a ring of history_window bits, bit-packed); every drop_interval steps
-    refresh() re-ranks the evictable slots by their fraction of low-attention steps (ties: older first) into
-    an eviction queue that the next steps pop, one token in and one out. Deviation: the paper drops m = 0.5 B
-    tokens at once when the cache overflows; here the same m worst tokens are chosen at once but leave one per
-    step, so memory never exceeds the budget and no slot is ever empty. The prompt's last history_window
-    queries seed the record. GQA: the group's attention is reduced (--gqa-reduce) before the threshold. No
-    sinks."""
+    Each step records one bit per slot, low = the group-reduced attention (--gqa-reduce) is below
+    1 / (number of valid slots). Deviation: the paper's bar is 1 / t, uniform over every token seen; shares of
+    a compressed cache sum to 1 over its slots, so against 1 / t almost none would be low. The prompt's last
+    history_window queries seed the record by the same rule (kv.prompt.low_attention): query j's attention
+    renormalised over the kept prompt tokens it can see, below 1 / their number, so that prompt and decoded
+    tokens are judged against the same bar. The bits live in a ring of history_window (bit-packed); every
+    drop_interval steps refresh() re-ranks the evictable slots by their fraction of low-attention steps
+    (ties: older first) into an eviction queue that the next steps pop, one token in and one out. Deviation:
+    the paper drops m = 0.5 B tokens at once when the cache overflows; here the same m worst tokens are chosen
+    at once but leave one per step, so memory never exceeds the budget and no slot is ever empty. No sinks."""
 
     name = "scissorhands"
     needs_attention = True
@@ -171,7 +174,7 @@ class ScissorhandsCache(KVCache):
     def prefill_state(self, q: Tensor, k: Tensor, keep: Tensor | None, memo: dict) -> None:
         S = k.shape[2]
         n = min(S, self.prompt_capacity)
-        low = gather_tokens(low_attention(q, k, self.history_window, self.gqa_reduce, memo), keep, n)
+        low = low_attention(q, k, self.history_window, self.gqa_reduce, keep, memo)  # [B, H_kv, w, n]
         ring_shape = (*low.shape[:2], n, self.low_bits.shape[-1] * 8)
         ring = torch.zeros(ring_shape, dtype=torch.bool, device=k.device)
         columns = torch.arange(S - low.shape[2], S, device=k.device) % self.history_window

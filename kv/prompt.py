@@ -35,15 +35,16 @@ def memoized(memo: dict | None, key: tuple, compute: Callable[[], Tensor]) -> Te
     return memo[key]
 
 
-def attention_rows(q: Tensor, k: Tensor, start: int, stop: int) -> Tensor:
-    """Causal attention probabilities [B, H_kv, g, stop - start, S] (fp32) of query rows start..stop-1."""
+def attention_rows(q: Tensor, k: Tensor, start: int, stop: int, key_pos: Tensor | None = None) -> Tensor:
+    """Causal attention probabilities [B, H_kv, g, stop - start, n] (fp32) of query rows start..stop-1 over
+    the n keys k [B, H_kv, n, D] at positions key_pos [B, H_kv, n] (None: the whole prompt, 0..S-1)."""
     B, H, S, D = q.shape
     n_kv = k.shape[1]
     qg = q[:, :, start:stop].float().reshape(B, n_kv, H // n_kv, stop - start, D)
     scores = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(D))
     rows = torch.arange(start, stop, device=q.device).view(-1, 1)
-    future = torch.arange(S, device=q.device) > rows
-    return torch.softmax(scores.masked_fill(future, -INF), dim=-1)
+    key_pos = torch.arange(S, device=q.device) if key_pos is None else key_pos[:, :, None, None, :]
+    return torch.softmax(scores.masked_fill(key_pos > rows, -INF), dim=-1)
 
 
 def attention_row_blocks(q: Tensor, k: Tensor, start: int = 0,
@@ -79,21 +80,35 @@ def last_query_attention(q: Tensor, k: Tensor, memo: dict | None = None) -> Tens
     return memoized(memo, ("last_query",), lambda: attention_rows(q, k, S - 1, S)[:, :, :, 0])
 
 
-def low_attention(q: Tensor, k: Tensor, window: int, gqa_reduce: str, memo: dict | None = None,
-                  block_rows: int | None = None) -> Tensor:
-    """Scissorhands' record for the last min(window, S) prompt queries: [B, H_kv, w, S] bool, True where the
-    group-reduced attention of query j to token i <= j is below uniform, 1 / (j + 1)."""
-    S = q.shape[2]
+def low_attention(q: Tensor, k: Tensor, window: int, gqa_reduce: str, keep: Tensor | None = None,
+                  memo: dict | None = None, block_rows: int | None = None) -> Tensor:
+    """Scissorhands' record for the last min(window, S) prompt queries: [B, H_kv, w, n] bool over the n kept
+    prompt tokens (keep: [B, H_kv, n] positions, ascending; None = all S). Query j judges the kept tokens it
+    can see, V_j = {i in keep: i <= j}, as a decode step judges its slots: True where its attention
+    renormalised over V_j (per query head, then group-reduced) is below uniform, 1 / |V_j|. Judging against
+    the whole prompt (1 / (j + 1)) would set a lower bar for prompt tokens than for decoded ones.
+
+    The kept set depends on the budget, so only the uncompressed record (keep None, the same for every
+    budget that fits the prompt) is memoized; a compressed one costs a w x n product over the kept keys, less
+    than the w x S rows of the whole prompt."""
+    B, H, S, D = q.shape
     w = min(window, S)
+    key_pos = torch.arange(S, device=k.device).expand(k.shape[:3]) if keep is None else keep
+    kept_k = k if keep is None else k.gather(2, keep.unsqueeze(-1).expand(*keep.shape, D))
+    n = key_pos.shape[-1]
 
     def compute() -> Tensor:
         blocks = []
-        for r0, probs in attention_row_blocks(q, k, S - w, block_rows):
-            p = reduce_groups(probs, gqa_reduce)  # [B, H_kv, rows, S]
-            rows = torch.arange(r0, r0 + p.shape[2], device=q.device).view(-1, 1)
-            seen = torch.arange(S, device=q.device) <= rows
-            blocks.append((p < 1.0 / (rows + 1).float()) & seen)
+        rows = block_rows or max(1, PREFILL_BLOCK_ELEMENTS // (B * H * n))
+        for r0 in range(S - w, S, rows):
+            r1 = min(S, r0 + rows)
+            # a row that sees no kept token is all -inf (NaN probabilities): `seen` leaves it all False
+            p = reduce_groups(attention_rows(q, kept_k, r0, r1, key_pos), gqa_reduce)  # [B, H_kv, rows, n]
+            seen = key_pos.unsqueeze(2) <= torch.arange(r0, r1, device=q.device).view(-1, 1)
+            blocks.append((p < 1.0 / seen.sum(-1, keepdim=True).float()) & seen)
         return torch.cat(blocks, dim=2)
+    if keep is not None:
+        return compute()
     return memoized(memo, ("low_attention", window, gqa_reduce), compute)
 
 

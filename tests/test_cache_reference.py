@@ -52,9 +52,11 @@ def positions(cache, b, h):
 
 # ---- Scissorhands ------------------------------------------------------------------------------------
 class SlowScissorhands:
-    """The policy as stated, over token positions: a history of (step, attention < 1/n) per token; every
-    `interval` steps, rank the evictable tokens by their fraction of low steps in the last `history` steps
-    (ties: older first) behind any empty slots; each step evicts the next in that queue."""
+    """The policy as stated, over token positions: a history of (step, low?) per token, low = the query's
+    attention, over the tokens it sees among those kept, below 1 / their number (prompt queries: their
+    attention renormalised over the kept prompt tokens up to them, per query head, then averaged over the
+    group); every `interval` steps, rank the evictable tokens by their fraction of low steps in the last
+    `history` steps (ties: older first) behind any empty slots; each step evicts the next in that queue."""
 
     def __init__(self, capacity, n_sinks, recent, history, interval):
         self.capacity, self.n_sinks, self.recent, self.history, self.interval = (capacity, n_sinks, recent,
@@ -63,10 +65,14 @@ class SlowScissorhands:
         self.queue: list = []
 
     def prefill(self, kept, attention):
-        S = len(attention)
-        for i in kept:
-            recorded = range(max(0, S - self.history, i), S)  # the last queries that saw token i
-            self.low[i] = {j: attention[j][i] < 1 / (j + 1) for j in recorded}
+        """attention[head][j][i]: causal attention of each query head of the group over the whole prompt."""
+        S = len(attention[0])
+        self.low = {i: {} for i in kept}
+        for j in range(max(0, S - self.history), S):  # the last queries
+            visible = [i for i in kept if i <= j]
+            for i in visible:
+                shares = [a[j][i] / sum(a[j][v] for v in visible) for a in attention]
+                self.low[i][j] = sum(shares) / len(shares) < 1 / len(visible)
         self.t = S
         self.refresh()
 
@@ -100,7 +106,7 @@ def test_scissorhands_matches_slow_reference(prompt_len):
                                pool_kernel=3)(0)
     q, k, v = random_qkv(prompt_len, 0)
     cache.prefill(q, k, v)
-    prompt_attention = dense_attention(q, k).mean(dim=2)  # group-reduced, [B, H_kv, S, S]
+    prompt_attention = dense_attention(q, k)  # [B, H_kv, g, S, S]
     refs = {}
     for b in range(B):
         for h in range(H_KV):
@@ -131,6 +137,28 @@ def test_scissorhands_matches_slow_reference(prompt_len):
             for ref in refs.values():
                 ref.refresh()
             compare_ranking()
+
+
+def test_scissorhands_prompt_bits_follow_the_decode_rule():
+    """A prompt compressed to C slots: the bits seeded for the last prompt query equal those observe() records
+    when that query attends to the cache as a decode step does, so a prompt token and a decoded token with the
+    same share of the cache's attention get the same bit (judging the prompt against 1 / (j + 1) over the
+    whole prompt did not)."""
+    S, C, history = 40, 12, 16
+    args = tiny_args(n_layers=1, n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
+    for reduce in ("mean", "max"):
+        cache = make_cache_factory("scissorhands", B, args, S, 8, budget=C, recent_window=3,
+                                   history_window=history, drop_interval=4, obs_window=4, pool_kernel=3,
+                                   gqa_reduce=reduce)(0)
+        q, k, v = random_qkv(S, 9)
+        cache.prefill(q, k, v)
+        seeded = cache.low_bits.clone()
+        column = ((seeded[..., (S - 1) % history // 8] >> (S - 1) % history % 8) & 1).bool()  # [B, H_kv, C]
+        assert column.any() and not column.all()
+        k_all, v_all = cache.keys_values()
+        _, probs = attend(q[:, :, S - 1:], k_all, v_all, (cache.slot_pos >= 0).unsqueeze(2), want_probs=True)
+        cache.observe(probs)  # seen == S: rewrites the ring column of step S - 1, the last prompt query's
+        assert torch.equal(cache.low_bits, seeded)
 
 
 # ---- H2O -----------------------------------------------------------------------------------------------
@@ -190,20 +218,29 @@ def test_blockwise_prompt_statistics_equal_dense(monkeypatch):
     rows_seen = []
     original = prompt_stats.attention_rows
 
-    def spy(q, k, start, stop):
+    def spy(q, k, start, stop, key_pos=None):
         rows_seen.append(stop - start)
-        return original(q, k, start, stop)
+        return original(q, k, start, stop, key_pos)
 
     monkeypatch.setattr(prompt_stats, "attention_rows", spy)
     monkeypatch.setattr(prompt_stats, "PREFILL_BLOCK_ELEMENTS", B * H_KV * G * S * 4)  # 4 rows at a time
     torch.testing.assert_close(prompt_stats.column_sums(q, k), dense.sum(dim=3))
     assert max(rows_seen) == 4, "column sums must be computed in query blocks, never S x S at once"
+    gen = torch.Generator().manual_seed(11)
     for block in (1, 3, 7):
         torch.testing.assert_close(prompt_stats.column_sums(q, k, block_rows=block), dense.sum(dim=3))
         low = prompt_stats.low_attention(q, k, 9, "max", block_rows=block)
         j = torch.arange(S - 9, S).view(-1, 1)
         expected = (dense.amax(dim=2)[:, :, S - 9:] < 1.0 / (j + 1)) & (torch.arange(S) <= j)
         assert torch.equal(low, expected)
+        # over a kept subset: each query head's attention renormalised over the kept tokens it sees
+        keep = torch.stack([torch.randperm(S, generator=gen)[:10].sort().values for _ in range(B * H_KV)])
+        keep = keep.view(B, H_KV, 10)
+        low = prompt_stats.low_attention(q, k, 9, "mean", keep, block_rows=block)
+        sub = dense[:, :, :, S - 9:].gather(-1, keep[:, :, None, None].expand(B, H_KV, G, 9, 10))
+        visible = keep.unsqueeze(2) <= j  # [B, H_kv, 9, n]
+        shares = (sub / sub.sum(-1, keepdim=True)).mean(dim=2)
+        assert torch.equal(low, (shares < 1.0 / visible.sum(-1, keepdim=True)) & visible)
     torch.testing.assert_close(prompt_stats.window_votes(q, k, 6), dense[:, :, :, S - 6:].sum(dim=3))
     torch.testing.assert_close(prompt_stats.last_query_attention(q, k), dense[:, :, :, -1])
 
