@@ -214,8 +214,11 @@ class CacheSpec:
     def from_args(cls, args: argparse.Namespace) -> CacheSpec:
         cli = {k: getattr(args, k) for k in (*GLOBALS, *PARAMS) if getattr(args, k, None) is not None}
         preset = load_preset(args.cache_config) if getattr(args, "cache_config", None) else {}
-        if "cache_budget" in cli and "recent_window" in preset and "recent_window" not in cli:
-            del preset["recent_window"]  # window: a budget from the command line sets the window
+        window = {**preset, **cli}.get("cache") == "window"
+        if window and "cache_budget" in cli and "recent_window" in preset and "recent_window" not in cli:
+            # a window's capacity is n_sinks + recent window: a budget from the command line replaces it;
+            # other policies keep the preset's recent window inside the new budget
+            del preset["recent_window"]
         merged = {**preset, **cli}
         return cls(policy=merged.get("cache", "full"), prompt_compression=merged.get("prompt_compression"),
                    budget=merged.get("cache_budget"), layer_budget=merged.get("layer_budget"),

@@ -108,6 +108,29 @@ def test_preset_files_are_validated(tmp_path):
         kvcache.load_preset(str(bad))
 
 
+def namespace(**given) -> argparse.Namespace:
+    """Parsed arguments with only `given` set, the rest None (not given)."""
+    names = ("cache_config", *kvcache.GLOBALS, *kvcache.PARAMS)
+    return argparse.Namespace(**{k: given.get(k) for k in names})
+
+
+def test_a_command_line_budget_replaces_the_presets_window_only_for_window(tmp_path):
+    preset = tmp_path / "narrow.yaml"
+    preset.write_text("cache: h2o\nrecent_window: 0.25\ncache_budget: 0.5\n")  # h2o's default is 0.5
+    args = namespace(cache_config=str(preset), cache_budget=40)
+    assert kvcache.CacheSpec.from_args(args).params["recent_window"] == 0.25
+    factory = kvcache.cache_factory_from_args(args, 1, tiny_args(), 100, 20)
+    assert factory.capacities == [40, 40] and factory.layer_values[0]["recent_window"] == 10
+    # window: capacity = n_sinks + recent window, so the budget sets the window (no "give one, not both")
+    args = namespace(cache_config="window", cache_budget=40)
+    assert "recent_window" not in kvcache.CacheSpec.from_args(args).params
+    factory = kvcache.cache_factory_from_args(args, 1, tiny_args(), 100, 20)
+    assert factory.capacities == [40, 40] and factory.layer_values[0]["recent_window"] == 36
+    # the policy that counts is the one finally chosen: the h2o preset switched to window on the command line
+    args = namespace(cache_config=str(preset), cache="window", cache_budget=40, prompt_compression="window")
+    assert "recent_window" not in kvcache.CacheSpec.from_args(args).params
+
+
 def test_help_lists_every_flag():
     parser = argparse.ArgumentParser()
     kvcache.add_cache_args(parser)
