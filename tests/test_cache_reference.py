@@ -1,9 +1,10 @@
 """Reference checks: the slot/bit/queue implementations against slow, obviously-correct versions in token
-space fed the same attention trace (Scissorhands, H2O); SnapKV's kept set against a brute force from the dense
-attention; blockwise prompt statistics against the dense ones; PyramidKV's layer budgets; TOVA's per-layer
-set."""
+space fed the same attention trace or keys (Scissorhands, H2O, TOVA, KNorm); SnapKV's kept set against a brute
+force from the dense attention; blockwise prompt statistics against the dense ones; PyramidKV's layer budgets;
+TOVA's per-layer set."""
 
 import math
+import struct
 
 import pytest
 import torch
@@ -187,6 +188,94 @@ def test_h2o_matches_slow_reference(normalize):
             for c, p in enumerate(cache.slot_pos[b, h].tolist()):
                 scores[p] = [s + probs[b, h, j, 0, c].item() for j, s in enumerate(scores[p])]
             assert positions(cache, b, h) == set(scores), f"step {t}: kept sets differ"
+
+
+# ---- TOVA ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("S,n_sinks,recent", [(20, 0, 1), (20, 2, 3), (5, 0, 1)])  # compressed / fits
+def test_tova_matches_slow_reference(S, n_sinks, recent):
+    """TOVA as stated, over token positions, one kept set per row shared by the layer's KV heads: a token's
+    score is the newest query's attention to it averaged over every query head of the layer (after prefill:
+    the last prompt query's, over the whole prompt). The prompt keeps its top-C tokens, the sinks and the last
+    recent - 1 forced in; each decode step, if the cache is full, the evictable token (not a sink, older than
+    the recent window) with the lowest score leaves before the new token enters."""
+    C, steps = 8, 25
+    args = tiny_args(n_layers=1, n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
+    cache = make_cache_factory("tova", B, args, S, steps, budget=C, n_sinks=n_sinks, recent_window=recent)(0)
+    q, k, v = random_qkv(S, 12)
+    cache.prefill(q, k, v)
+    last = dense_attention(q, k)[:, :, :, -1].mean(dim=(1, 2)).tolist()  # [B][S]: every head of the layer
+    kept = []
+    for b in range(B):
+        protected = {i for i in range(S) if i < n_sinks or i >= S - (recent - 1)}
+        rest = sorted((i for i in range(S) if i not in protected), key=lambda i, b=b: -last[b][i])
+        chosen = range(S) if S <= C else protected | set(rest[: C - len(protected)])
+        kept.append({i: last[b][i] for i in chosen})
+        assert all(positions(cache, b, h) == set(kept[b]) for h in range(H_KV))
+    for t, probs, _ in decode_trace(cache, S, steps, 13):
+        for b, scores in enumerate(kept):
+            if len(scores) == C:
+                evictable = [i for i in scores if n_sinks <= i <= t - recent]
+                del scores[min(evictable, key=scores.get)]
+            scores[t] = None
+            assert all(positions(cache, b, h) == set(scores) for h in range(H_KV)), f"step {t}: sets differ"
+            attention = {i: [] for i in scores}  # every query head's attention to each token
+            for h in range(H_KV):
+                for c, p in enumerate(cache.slot_pos[b, h].tolist()):
+                    if p >= 0:
+                        attention[p] += probs[b, h, :, 0, c].tolist()
+            scores.update({i: sum(a) / len(a) for i, a in attention.items()})
+    assert set(kept[0]) != set(kept[1])
+
+
+# ---- KNorm -----------------------------------------------------------------------------------------------
+def fp16(x: float) -> float:
+    """x rounded to the nearest IEEE half-precision value (ties to even)."""
+    return struct.unpack("e", struct.pack("e", x))[0]
+
+
+@pytest.mark.parametrize("S,n_sinks,recent", [(20, 0, 1), (20, 2, 3), (5, 1, 2)])  # compressed / fits
+def test_knorm_matches_slow_reference(S, n_sinks, recent):
+    """KNorm as stated, over token positions, per KV head: a key's norm is its L2 norm rounded to fp16, so
+    norms that agree to fp16 precision tie. The prompt keeps the C lowest (ties: the newer token), the sinks
+    and the last recent - 1 forced in; each decode step, if the cache is full, the evictable token (not a
+    sink, older than the recent window) with the highest leaves (ties: the older) before the new token
+    enters. Keys come from a small pool, so exact ties are frequent, and one pool key is another scaled by
+    1 + 2^-13: different in fp32, equal in fp16."""
+    C, steps = 8, 30
+    gen = torch.Generator().manual_seed(14)
+    pool = torch.randn(5, D, generator=gen)
+    pool[0] *= 2 / pool[0].norm()
+    pool[1] = pool[0] * (1 + 2 ** -13)
+    norms = pool.norm(dim=-1).tolist()
+    assert norms[0] != norms[1] and fp16(norms[0]) == fp16(norms[1])
+
+    def keys(n):
+        return pool[torch.randint(0, len(pool), (B, H_KV, n), generator=gen)]  # [B, H_kv, n, D]
+
+    args = tiny_args(n_layers=1, n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
+    cache = make_cache_factory("knorm", B, args, S, steps, budget=C, n_sinks=n_sinks, recent_window=recent)(0)
+    k = keys(S)
+    cache.prefill(torch.randn(B, H_KV * G, S, D, generator=gen), k, torch.randn(B, H_KV, S, D, generator=gen))
+    norm = [[dict(enumerate(fp16(x) for x in k[b, h].norm(dim=-1).tolist())) for h in range(H_KV)]
+            for b in range(B)]
+    kept = {}
+    for b in range(B):
+        for h in range(H_KV):
+            protected = {i for i in range(S) if i < n_sinks or i >= S - (recent - 1)}
+            rest = sorted((i for i in range(S) if i not in protected), key=lambda i, n=norm[b][h]: (n[i], -i))
+            kept[b, h] = set(range(S)) if S <= C else protected | set(rest[: C - len(protected)])
+            assert positions(cache, b, h) == kept[b, h]
+    for t in range(S, S + steps):
+        k_new = keys(1)
+        cache.update(torch.tensor([t]), k_new, torch.randn(B, H_KV, 1, D, generator=gen))
+        for (b, h), tokens in kept.items():
+            n = norm[b][h]
+            n[t] = fp16(k_new[b, h, 0].norm().item())
+            if len(tokens) == C:
+                evictable = [i for i in tokens if n_sinks <= i <= t - recent]
+                tokens.remove(max(evictable, key=lambda i, n=n: (n[i], -i)))
+            tokens.add(t)
+            assert positions(cache, b, h) == tokens, f"step {t}: kept sets differ"
 
 
 # ---- SnapKV ---------------------------------------------------------------------------------------------
