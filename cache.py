@@ -51,12 +51,18 @@ from typing import Any
 import torch
 import yaml
 
+from kv import policies, prompt
 from kv.budgets import LAYER_SCHEDULES, layer_capacities, resolve_capacity, resolve_count
-from kv.policies import POLICIES, FullCache, WindowCache
-from kv.prompt import PROMPT_COMPRESSORS
+from kv.kvzip import KVzipCache, KVzipPrompt
+from kv.policies import FullCache, WindowCache
 from kv.quant import KV_BITS
 from kv.slots import KVCache
 from model import KVFastError, ModelArgs
+
+# every policy and prompt compressor by CLI name (kv/ modules define them; query-agnostic scorers live apart)
+POLICIES: dict[str, type[KVCache]] = {**policies.POLICIES, KVzipCache.name: KVzipCache}
+PROMPT_COMPRESSORS: dict[str, type[prompt.PromptCompressor]] = {**prompt.PROMPT_COMPRESSORS,
+                                                                  KVzipPrompt.name: KVzipPrompt}
 
 __all__ = ["CONFIG_DIR", "POLICIES", "PROMPT_COMPRESSORS", "CacheFactory", "KVCache", "add_cache_args",
            "cache_factory_from_args", "cache_report", "check_cache_args", "format_cache_report",
@@ -133,6 +139,8 @@ PARAMS: dict[str, tuple[Any, str]] = {
     "pool": (_choice("max", "avg"), "snapkv/pyramidkv: pooling, max or avg (max)"),
     "gqa_reduce": (_choice("mean", "max"), "reduce the scores of a KV head's query heads: mean|max (mean)"),
     "h2o_normalize": (_bool, "h2o: divide accumulated attention by the number of queries that saw the token"),
+    "kvzip_chunk": (_whole(1), "kvzip: context tokens the model repeats per reconstruction chunk (2048)"),
+    "kvzip_plus": (_bool, "kvzip: KVzip+ normalization (attention / ||hidden|| x ||W_o v||, as kvpress)"),
 }
 GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
            "kv_group_size")
@@ -162,16 +170,21 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-group-size", type=int, default=None,
                    help="--kv-bits: channels per scale / zero point; must divide the head dimension (default: "
                         "the head dimension, one group per token and head)")
-    for name, (_, text) in PARAMS.items():
-        if name == "h2o_normalize":
-            g.add_argument(f"--{_flag(name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
-        elif name in ("pool", "gqa_reduce"):
-            g.add_argument(f"--{_flag(name)}", default=None, help=text)
-        else:
-            g.add_argument(f"--{_flag(name)}", type=float, default=None, help=text)
+    add_param_flags(g)
     g.add_argument("--cache-config", default=None,
                    help=f"YAML preset from cache_configs/ ({', '.join(available_presets())}); "
                         "flags override it")
+
+
+def add_param_flags(group: argparse._ArgumentGroup) -> None:
+    """A flag per method hyper-parameter (PARAMS), default None so that given flags can be told apart."""
+    for name, (check, text) in PARAMS.items():
+        if check is _bool:
+            group.add_argument(f"--{_flag(name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif name in ("pool", "gqa_reduce"):
+            group.add_argument(f"--{_flag(name)}", default=None, help=text)
+        else:
+            group.add_argument(f"--{_flag(name)}", type=float, default=None, help=text)
 
 
 def available_presets() -> list[str]:
@@ -282,9 +295,9 @@ def check_cache_args(args: argparse.Namespace) -> None:
 
 def cache_factory_from_args(args: argparse.Namespace, batch_size: int, model_args: ModelArgs, prompt_len: int,
                             max_new_tokens: int, dtype: torch.dtype = torch.float32,
-                            device: str | torch.device = "cpu") -> CacheFactory:
+                            device: str | torch.device = "cpu", tokenizer: Any = None) -> CacheFactory:
     spec = CacheSpec.from_args(args)
-    return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device)
+    return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device, tokenizer)
 
 
 def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: ModelArgs | None = None,
@@ -292,14 +305,14 @@ def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: Mo
                        budget: float | None = None, layer_budget: str | None = None,
                        pyramid_beta: int | None = None, kv_bits: int | None = None,
                        kv_group_size: int | None = None, dtype: torch.dtype = torch.float32,
-                       device: str | torch.device = "cpu", **params: Any) -> CacheFactory:
+                       device: str | torch.device = "cpu", tokenizer: Any = None, **params: Any) -> CacheFactory:
     """make_cache(layer) for Transformer.setup_caches; params are hyper-parameters by name (n_sinks=4,
-    ...)."""
+    ...); the tokenizer is for compressors that write text (KVzip's instruction)."""
     given = set(params) | ({"cache_budget"} if budget is not None else set())
     spec = CacheSpec(policy, prompt_compression, budget, layer_budget, pyramid_beta, params, kv_bits=kv_bits,
                      kv_group_size=kv_group_size, cli=given)
     model_args = model_args or ModelArgs()
-    return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device)
+    return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device, tokenizer)
 
 
 class CacheFactory:
@@ -310,8 +323,10 @@ class CacheFactory:
     values (the resolved hyper-parameters)."""
 
     def __init__(self, spec: CacheSpec, batch_size: int, model_args: ModelArgs, prompt_len: int,
-                 max_new_tokens: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 max_new_tokens: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 tokenizer: Any = None):
         self.cls, self.compressor_cls, self.values = spec.resolve()
+        self.tokenizer = tokenizer
         self.policy = spec.policy
         self.prompt_compression = self.compressor_cls.name if self.compressor_cls else None
         self.layer_budget = spec.schedule()
@@ -407,6 +422,8 @@ class CacheFactory:
         if self.compressor_cls is not None:
             params = {k: v for k, v in self.values.items() if k in self.compressor_cls.params}
             compressor = self.compressor_cls(layer=layer, model_args=self.model_args, **params)
+            if self.tokenizer is not None:
+                compressor.bind(self.tokenizer)
         a = self.model_args
         return self.cls(self.batch_size, a.n_kv_heads, a.head_dim, self.capacities[layer],
                         n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],

@@ -111,15 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    g = p.add_argument_group("policy hyper-parameters (each applies to the listed policies that use it)")
-    for name, (_, text) in kvcache.PARAMS.items():
-        flag = "--" + name.replace("_", "-")
-        if name == "h2o_normalize":
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-        elif name in ("pool", "gqa_reduce"):
-            g.add_argument(flag, default=None, help=text)
-        else:
-            g.add_argument(flag, type=float, default=None, help=text)
+    kvcache.add_param_flags(p.add_argument_group("policy hyper-parameters (each applies to the listed policies "
+                                                 "that use it)"))
     args = p.parse_args(argv)
     check_args(args)
     return args
@@ -238,7 +231,8 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
     total = L + args.answer_room
     bar.set_postfix_str(f"{src}@{L}: prefill {B} x {S + Q}")
     t0 = time.perf_counter()
-    kv, hidden = ev.record(torch.cat([ctx, qst], 1))
+    ids = torch.cat([ctx, qst], 1)
+    kv, hidden = ev.record(ids)
     last = ev.model.logits(hidden[:, -1:])
     del hidden
     prefill_s = (time.perf_counter() - t0) / B
@@ -247,7 +241,7 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
     for mode in args.mode:
         n = S if mode == "agnostic" else S + Q
         memos = [{} for _ in range(ev.n_layers)]
-        ref = None
+        ref, kvzip_s = None, 0.0
         need_ref = any("fidelity" in todo.get((c, mode), ()) for c in combos if not c.is_full)
         active = [c for c in combos if (c, mode) in todo or (c.is_full and need_ref)]
         for group in ev.groups(active, B, n, total - n):
@@ -257,7 +251,8 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
             t0 = time.perf_counter()
             caches = ev.group_caches(group, B, n, total - n)
             ev.install(caches)
-            ev.fill(caches, kv, n, memos)
+            ev.fill(caches, kv, n, memos, ids)
+            kvzip_s = kvzip_s or ev.kvzip_s / B  # reconstruction scoring: once per batch and mode, memoized
             first = ev.feed(qst.repeat(G, 1), S) if mode == "agnostic" else last.repeat(G, 1, 1)
             pos = S + Q
             retrieval = src in need
@@ -283,6 +278,8 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
                 base = {"length": L, "policy": combo.policy, "budget": combo.budget, "mode": mode,
                         "prompt_tokens": S + Q, "context_tokens": S, "capacity": cap[0] if len(cap) == 1 else cap,
                         "time_s": round(elapsed, 4), "prefill_s": round(prefill_s, 4)}
+                if kvzip_s and combo.policy == "kvzip":
+                    base["kvzip_s"] = round(kvzip_s, 4)
                 for row, p in enumerate(prompts):
                     r = j * B + row
                     if retrieval and src in todo.get((combo, mode), ()):
@@ -368,7 +365,7 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
                 caches = ev.group_caches(group, B, T, 0)
                 memo = memos.setdefault(P, [{} for _ in range(ev.n_layers)])
                 ev.install(caches)
-                ev.fill(caches, kv, P, memo)
+                ev.fill(caches, kv, P, memo, ids)
                 nll = torch.cat([full_nll[:, :P].repeat(G, 1), ev.decode_nll(ids.repeat(G, 1), P)], 1)
             elapsed = (time.perf_counter() - t0) / (B * G)
             for j, combo in enumerate(group):
@@ -392,7 +389,7 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
             P = min(min(prefix_len(args, c, T) for c in group), min(c.capacity for m in inner for c in m), T - 1)
             memo = memos.setdefault(P, [{} for _ in range(ev.n_layers)])
             ev.install(shadows)
-            ev.fill(shadows, kv, P, memo)
+            ev.fill(shadows, kv, P, memo, ids)
             ev.decode_nll(ids, P)
             loss = torch.stack([s.loss for s in shadows])  # [layers, followers, B, T]
             elapsed = (time.perf_counter() - t0) / B / len(group)

@@ -17,16 +17,8 @@ from torch import Tensor, nn
 
 import cache as kvcache
 from generate import Decoder
+from kv import kvzip
 from model import Transformer
-
-
-class Recorder(nn.Module):
-    """Stands in for a layer's cache during the one real prefill: keeps the post-RoPE q, k, v."""
-
-    needs_attention = False
-
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor, memo: dict | None = None) -> None:
-        self.q, self.k, self.v = q, k, v
 
 
 class ShadowCaches(nn.Module):
@@ -179,7 +171,7 @@ class Evaluator:
     def factory(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> kvcache.CacheFactory:
         params = {k: v for k, v in self.args.params.items() if k in policy_params(combo.policy)}
         return kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new, budget=combo.budget,
-                                          dtype=self.dtype, device=self.device, **params)
+                                          dtype=self.dtype, device=self.device, tokenizer=self.tok, **params)
 
     def caches(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> list[nn.Module]:
         """One cache per layer for (combo, batch, lengths). Compiled: built once per shape and kept (the same
@@ -237,13 +229,13 @@ class Evaluator:
 
     def record(self, ids: Tensor) -> tuple[list[tuple[Tensor, Tensor, Tensor]], Tensor]:
         """The one real prefill of a batch: per-layer (q, k, v) and the final hidden states [B, S, dim]."""
-        recorders = [Recorder() for _ in range(self.n_layers)]
-        self.model.setup_caches(lambda i: recorders[i])
-        hidden = self.model.hidden(ids)
-        return [(r.q, r.k, r.v) for r in recorders], hidden
+        return kvzip.record_prefill(self.model, ids)
 
-    @staticmethod
-    def fill(caches: list[nn.Module], kv: list[tuple[Tensor, Tensor, Tensor]], n: int, memos: list[dict]) -> None:
+    def fill(self, caches: list[nn.Module], kv: list[tuple[Tensor, Tensor, Tensor]], n: int, memos: list[dict],
+             ids: Tensor) -> None:
+        """Prefill the first n recorded tokens (ids [B, >= n]) into caches; KVzip's reconstruction scores, if a
+        cache needs them, are computed once into the memos."""
+        self.kvzip_s = kvzip.score_into(self.model, ids[:, :n], kv, caches, memos)
         for c, (q, k, v), memo in zip(caches, kv, memos):
             c.reset()
             c.prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], memo=memo)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 import cache as kvcache
+from kv import kvzip
 from model import KVFastError, Transformer
 
 ROOT = Path(__file__).resolve().parent
@@ -42,6 +43,8 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
 
 # ---- the three phases -------------------------------------------------------------------------------
 def prefill(model: Transformer, idx: Tensor, temperature: float, top_k: int | None) -> Tensor:
+    if kvzip.needs_context_pass(model):  # KVzip scores need the whole model before any layer compresses
+        return sample(kvzip.prefill(model, idx), temperature, top_k)
     return sample(model(idx), temperature, top_k)
 
 
@@ -71,6 +74,8 @@ class Decoder:
             self.step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
             self.refresh = torch.compile(refresh_caches, fullgraph=True)
         if compile_prefill:
+            if kvzip.needs_context_pass(model):
+                raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
             self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
 
     def refresh_interval(self) -> int | None:
@@ -203,7 +208,10 @@ def main(argv: list[str] | None = None) -> None:
                           f"model's maximum length of {model.args.max_seq_len} tokens")
     idx = torch.tensor([ids] * args.batch_size, dtype=torch.long, device=args.device)
     make_cache = kvcache.cache_factory_from_args(args, args.batch_size, model.args, len(ids), args.max_new_tokens,
-                                                 dtype, args.device)
+                                                 dtype, args.device, tokenizer)
+    if make_cache.prompt_compression == "kvzip" and len(ids) <= min(make_cache.prompt_capacities):
+        print(f"kvzip: the prompt ({len(ids)} tokens) fits the cache ({min(make_cache.prompt_capacities)} prompt "
+              "slots per layer): nothing to compress, no reconstruction pass")
     model.setup_caches(make_cache)
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
@@ -231,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
             text = tokenizer.decode(out if stop_ids is None else truncate_at_stop(out, stop_ids))
             print(("" if args.chat else prompt_text) + text)
             print("-" * 40)
-        print(f"sample {i}: prefill {t_prefill * 1000:.1f} ms ({len(ids)} tokens), decode "
+        scoring = getattr(model, "kvzip_scoring_s", 0.0)
+        extra = f", of which kvzip reconstruction scoring {scoring * 1000:.1f} ms" if scoring else ""
+        print(f"sample {i}: prefill {t_prefill * 1000:.1f} ms ({len(ids)} tokens{extra}), decode "
               f"{timings[-1][1]:.2f} tok/s x {args.batch_size} rows, {n_new} new tokens")
 
     t_prefill = sum(t[0] for t in timings) / len(timings)

@@ -139,6 +139,9 @@ class PromptCompressor:
         self.layer = layer
         self.model_args = model_args  # RoPE and shapes, for compressors that need them (None in unit tests)
 
+    def bind(self, tokenizer: Any) -> None:
+        """Called by the cache factory with the model's tokenizer (for compressors that write text)."""
+
     @property
     def window(self) -> int:
         return getattr(self, self.window_param) if self.window_param else 0

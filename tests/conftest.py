@@ -108,3 +108,13 @@ def hf_gguf_model(default_gguf):
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)  # its buffers were on meta
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny random model converted to our checkpoint format (tied embeddings, chat template), for CLI tests."""
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf_dir = tmp_path_factory.mktemp("hf")
+    save_tiny_hf(hf_dir, tie=True, rope_scaling=False)
+    return convert_hf_checkpoint(hf_dir, tmp_path_factory.mktemp("ckpt") / "tiny")

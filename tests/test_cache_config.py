@@ -14,17 +14,6 @@ _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # about 60 tokens with the tiny tokenizer
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    from conftest import save_tiny_hf
-
-    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
-
-    hf_dir = tmp_path_factory.mktemp("hf")
-    save_tiny_hf(hf_dir, tie=True, rope_scaling=False)
-    return convert_hf_checkpoint(hf_dir, tmp_path_factory.mktemp("ckpt") / "tiny")
-
-
 def run(capsys, checkpoint, *argv):
     code = generate.cli(["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", "12",
                          "--temperature", "0", "--ignore-eos", *argv])

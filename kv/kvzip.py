@@ -1,0 +1,248 @@
+"""KVzip (Kim et al., NeurIPS 2025, arXiv:2505.23416): query-agnostic prompt compression by context reconstruction.
+
+After the context's prefill the model is teacher-forced to repeat the context ("Repeat the previous context
+exactly." in the model's chat format, then the context itself) in chunks of `kvzip_chunk` tokens, each chunk
+attending to the whole cached context. A cached (KV head, token) pair is worth the largest attention any
+reconstruction query of its GQA group pays it; each KV head keeps its top-scored pairs (and the sinks).
+
+Details follow kvpress's KVzipPress (NVIDIA/kvpress `presses/kvzip_press.py`, the method's port by its authors):
+- chunk i > 0 is introduced by "Repeat the part of the previous context exactly, starting with" and the last 8
+  tokens of chunk i - 1; every chunk sits right after the context (positions S, S + 1, ...) and is discarded
+  after scoring, so chunks never see each other;
+- a chunk's scores are a softmax over the sinks, the chunk's own span of the context and the repeat tokens
+  (causal), maxed over the chunk's queries and the GQA group; with `kvzip_plus` (KVzip+) each probability is
+  divided by the norm of its query row's normed hidden state and multiplied by ||W_o v|| of its key.
+Deviation: kvpress ranks all (layer, head, token) triples jointly (layer and head budgets then differ, realised
+by masking); here every layer and KV head keeps the same number of slots, which is what saves memory in a
+static cache.
+
+Unlike every other compressor the scores need the whole model (layer l's queries come from layers < l run on the
+repeat tokens), so they cannot come from one layer's prefill: `prefill(model, idx)` records each layer's (q, k,
+v) in one ordinary pass, runs the reconstruction over the recorded K/V (the context is never prefilled twice),
+puts each layer's scores in its memo and only then fills the caches. eval.py does the same with its recording.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kv.policies import SnapKVCache
+from kv.prompt import PREFILL_BLOCK_ELEMENTS, PromptCompressor
+from model import KVFastError, Transformer
+
+FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
+LATER_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclass
+class RepeatPrompt:
+    """Token ids around each reconstruction chunk: instruction (+ the previous chunk's last `carry` tokens for
+    chunks after the first), then `suffix` (the end of the user turn and the assistant header), then the chunk."""
+
+    first: list[int]
+    later: list[int]
+    suffix: list[int]
+    carry: int = 8
+
+    @classmethod
+    def from_tokenizer(cls, tok: Any) -> RepeatPrompt:
+        mark = "\x00KVZIP\x00"
+        chat = getattr(tok, "chat_format", "none") != "none"
+        suffix = tok.chat_prompt(mark).split(mark, 1)[1] if chat else "\n"  # kvpress: "\n" without a template
+        return cls(tok.encode(FIRST_INSTRUCTION), tok.encode(LATER_INSTRUCTION), tok.encode(suffix))
+
+    def chunk_ids(self, idx: Tensor, start: int, stop: int) -> Tensor:
+        """[B, r + stop - start]: the reconstruction input for context tokens start..stop-1."""
+        B = idx.shape[0]
+
+        def ids(x: list[int]) -> Tensor:
+            return torch.tensor(x, dtype=idx.dtype, device=idx.device).expand(B, len(x))
+
+        head = [ids(self.first)] if start == 0 else [ids(self.later), idx[:, max(0, start - self.carry) : start]]
+        return torch.cat([*head, ids(self.suffix), idx[:, start:stop]], dim=1)
+
+
+class KVzipPrompt(PromptCompressor):
+    """KVzip (Kim et al., NeurIPS 2025, arXiv:2505.23416): max attention received while the model repeats the
+    context. The scores come from a reconstruction pass of the whole model (kv.kvzip.prefill)."""
+
+    name = "kvzip"
+    params: ClassVar[dict[str, Any]] = {"kvzip_chunk": 2048, "kvzip_plus": False}
+    needs_model_pass: ClassVar[bool] = True
+    repeat_prompt: RepeatPrompt | None = None  # set by bind(); without a tokenizer chunks repeat bare
+
+    def bind(self, tokenizer: Any) -> None:
+        self.repeat_prompt = RepeatPrompt.from_tokenizer(tokenizer)
+
+    def memo_key(self) -> tuple:
+        return ("kvzip", self.kvzip_chunk, self.kvzip_plus)
+
+    def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+        if memo is None or self.memo_key() not in memo:
+            raise KVFastError("kvzip scores the prompt with a reconstruction pass of the whole model: prefill "
+                              "through kv.kvzip.prefill (generate.prefill does), not layer by layer")
+        return memo[self.memo_key()]
+
+
+class KVzipCache(SnapKVCache):
+    """KVzip (Kim et al., NeurIPS 2025, arXiv:2505.23416): the prompt compressed once by reconstruction scores,
+    decoded tokens appended (like SnapKV); 4 sinks as kvpress's KVzipPress."""
+
+    name = "kvzip"
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 4}
+    default_prompt_compressor = "kvzip"
+
+
+# ---- the reconstruction pass ------------------------------------------------------------------------------
+class Recorder(nn.Module):
+    """Stands in for a layer's cache during a prefill: keeps the post-RoPE q, k, v."""
+
+    needs_attention = False
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, memo: dict | None = None) -> None:
+        self.q, self.k, self.v = q, k, v
+
+
+def record_prefill(model: Transformer, idx: Tensor) -> tuple[list[tuple[Tensor, Tensor, Tensor]], Tensor]:
+    """One ordinary prefill of idx [B, S] with recorders as caches: per-layer (q, k, v) and the final hidden states
+    [B, S, dim]. The model's caches are put back afterwards."""
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    recorders = [Recorder() for _ in model.layers]
+    model.setup_caches(lambda i: recorders[i])
+    try:
+        hidden = model.hidden(idx)
+    finally:
+        model.setup_caches(lambda i: caches[i])
+    return [(r.q, r.k, r.v) for r in recorders], hidden
+
+
+def dense_weight(module: nn.Module) -> Tensor:
+    """A linear layer's weight as floats, whether plain or quantized by quantize.py."""
+    if hasattr(module, "offsets"):
+        from quantize import dequantize_int4
+
+        return dequantize_int4(module.weight, module.scales, module.offsets)
+    if hasattr(module, "scales"):
+        return module.weight.float() * module.scales.unsqueeze(-1)
+    return module.weight.float()
+
+
+def chunk_scores(q: Tensor, sinks: Tensor, span: Tensor, own: Tensor, row_scale: Tensor | None = None,
+                 key_scale: Tensor | None = None) -> Tensor:
+    """KVzip scores of one chunk's span: [B, H_kv, c], the max over the chunk's n queries (q [B, H, n, D]) and
+    over each GQA group of the softmax over [sinks, span, own] keys ([B, H_kv, *, D]; own = the queries' own keys,
+    causal). KVzip+: probabilities times row_scale [B, n] and key_scale [B, H_kv, g, keys]. Blocks of query rows
+    bound the memory."""
+    B, H, n, D = q.shape
+    n_kv, c, s = span.shape[1], span.shape[2], sinks.shape[2]
+    keys = torch.cat([sinks, span, own], dim=2).float()
+    m = keys.shape[2]
+    g = H // n_kv
+    best = q.new_zeros(B, n_kv, c, dtype=torch.float32)
+    rows = max(1, PREFILL_BLOCK_ELEMENTS // (B * H * m))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        qg = q[:, :, r0:r1].float().reshape(B, n_kv, g, r1 - r0, D)
+        logits = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(D))
+        future = torch.arange(n, device=q.device) > torch.arange(r0, r1, device=q.device).view(-1, 1)
+        logits[..., s + c :] = logits[..., s + c :].masked_fill(future, -math.inf)
+        probs = torch.softmax(logits, dim=-1)[..., s : s + c]
+        if row_scale is not None:
+            probs = probs * row_scale[:, None, None, r0:r1, None] * key_scale[:, :, :, None, s : s + c]
+        best = torch.maximum(best, probs.amax(dim=(2, 3)))
+    return best
+
+
+def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tensor, Tensor]],
+                   repeat: RepeatPrompt | None = None, chunk: int = 2048, plus: bool = False,
+                   n_sinks: int = 4) -> list[Tensor]:
+    """KVzip's scores [B, H_kv, S] per layer for the context idx [B, S] whose per-layer post-RoPE (q, k, v) are kv
+    (a recorded prefill). Runs the reconstruction chunks through the model over the recorded K/V."""
+    repeat = repeat or RepeatPrompt([], [], [])
+    B, S = idx.shape
+    a = model.args
+    g = a.n_heads // a.n_kv_heads
+    scores = [k.new_zeros(B, a.n_kv_heads, S, dtype=torch.float32) for _, k, _ in kv]
+    last = len(model.layers) - 1
+    for start in range(0, S, chunk):
+        stop = min(S, start + chunk)
+        ids = repeat.chunk_ids(idx, start, stop)
+        n = ids.shape[1]
+        pos = torch.arange(S, S + n, device=idx.device)
+        if S + n > model.rope_cos.shape[0]:
+            raise KVFastError(f"kvzip: context ({S}) + a reconstruction chunk ({n}) exceed the model's maximum "
+                              f"length of {model.rope_cos.shape[0]}; use a smaller --kvzip-chunk")
+        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+        # every repeat token sees the whole context and, causally, the chunk's own tokens
+        mask = torch.cat([torch.ones(n, S, dtype=torch.bool, device=idx.device),
+                          torch.ones(n, n, dtype=torch.bool, device=idx.device).tril()], dim=1)
+        x = model.tok_embeddings(ids)
+        for i, (layer, (_, k_ctx, v_ctx)) in enumerate(zip(model.layers, kv)):
+            h = layer.attention_norm(x)
+            q, k, v = layer.attention.project(h, cos, sin)
+            s = min(n_sinks, start)
+            row_scale = key_scale = None
+            if plus:
+                values = torch.cat([v_ctx[:, :, :s], v_ctx[:, :, start:stop], v], dim=2).float()
+                wo = dense_weight(layer.attention.wo).view(a.dim, a.n_kv_heads, g, a.head_dim)
+                gram = torch.einsum("okgd,okge->kgde", wo, wo)  # ||W_o,h v||^2 = v^T (W_o,h^T W_o,h) v
+                key_scale = torch.einsum("bkmd,kgde,bkme->bkgm", values, gram, values).clamp(min=0).sqrt()
+                row_scale = 1.0 / h.float().norm(dim=-1)
+            scores[i][..., start:stop] = chunk_scores(q, k_ctx[:, :, :s], k_ctx[:, :, start:stop], k, row_scale,
+                                                      key_scale)
+            if i == last:
+                break  # the last layer's output feeds no score
+            keys, values = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            x = x + layer.attention.output(out)
+            x = x + layer.feed_forward(layer.ffn_norm(x))
+    return scores
+
+
+def kvzip_caches(caches: list[nn.Module]) -> list[nn.Module]:
+    """The caches compressing with KVzip among caches and their submodules (eval's wrappers hold several)."""
+    return [m for c in caches if c is not None for m in c.modules()
+            if isinstance(getattr(m, "compressor", None), KVzipPrompt)]
+
+
+def score_into(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tensor, Tensor]], caches: list[nn.Module],
+               memos: list[dict]) -> float:
+    """Put KVzip's scores into each layer's memo if any layer's KVzip cache will compress a prompt of
+    idx.shape[1] tokens (and they are not there yet). Returns the seconds spent (0 if nothing to do)."""
+    S = idx.shape[1]
+    users = [m for m in kvzip_caches(caches) if m.prompt_capacity < S]
+    if not users:
+        return 0.0
+    t0 = time.perf_counter()
+    for comp in {m.compressor.memo_key(): m.compressor for m in users}.values():  # a pass per distinct setting
+        if comp.memo_key() in memos[0]:
+            continue
+        layer_scores = context_scores(model, idx, [(q[:, :, :S], k[:, :, :S], v[:, :, :S]) for q, k, v in kv],
+                                      comp.repeat_prompt, comp.kvzip_chunk, comp.kvzip_plus)
+        for memo, s in zip(memos, layer_scores):
+            memo[comp.memo_key()] = s
+    return time.perf_counter() - t0
+
+
+def needs_context_pass(model: Transformer) -> bool:
+    return bool(kvzip_caches(model.caches))
+
+
+def prefill(model: Transformer, idx: Tensor) -> Tensor:
+    """Prefill idx [B, S] into the model's caches when some layer compresses with KVzip: record, score by
+    reconstruction, fill. Returns the last position's logits [B, 1, V], like model(idx). The seconds spent on
+    scoring are left in `model.kvzip_scoring_s` (read once by generate.py)."""
+    kv, hidden = record_prefill(model, idx)
+    caches = model.caches
+    memos = [{} for _ in caches]
+    model.kvzip_scoring_s = score_into(model, idx, kv, caches, memos)
+    for cache, (q, k, v), memo in zip(caches, kv, memos):
+        cache.prefill(q, k, v, memo=memo)
+    return model.logits(hidden[:, -1:])

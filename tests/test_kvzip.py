@@ -1,0 +1,174 @@
+"""KVzip: reconstruction scores against a slow reference that runs the model itself over context + repeat chunk,
+KVzip+ normalization, the kept set, the prefill paths (generate and eval's replay) and the CLI's messages."""
+
+import math
+
+import pytest
+import torch
+from cache_testing import single_thread_fixture, tiny_model
+
+import generate
+from cache import make_cache_factory
+from kv import kvzip
+from model import KVFastError
+
+_one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
+REPEAT = kvzip.RepeatPrompt(first=[5, 6, 7], later=[8, 9], suffix=[10, 11], carry=3)
+
+
+def slow_scores(model, idx, repeat, chunk, plus=False, n_sinks=4):
+    """Per layer [B, H_kv, S]: for each chunk, the model runs over context + reconstruction input as one causal
+    sequence (so every repeat token sees the whole context); the chunk's queries score [sinks, own span, own
+    tokens] by a dense softmax, KVzip+ factors computed head by head; max over queries and the GQA group."""
+    B, S = idx.shape
+    a = model.args
+    g = a.n_heads // a.n_kv_heads
+    out = [torch.zeros(B, a.n_kv_heads, S) for _ in model.layers]
+    for start in range(0, S, chunk):
+        stop = min(S, start + chunk)
+        x_ids = repeat.chunk_ids(idx, start, stop)
+        n = x_ids.shape[1]
+        kv, hidden_in = [], []
+        hooks = [layer.attention_norm.register_forward_hook(lambda m, i, o, acc=hidden_in: acc.append(o))
+                 for layer in model.layers]
+        try:
+            kv, _ = kvzip.record_prefill(model, torch.cat([idx, x_ids], 1))
+        finally:
+            for h in hooks:
+                h.remove()
+        s = min(n_sinks, start)
+        for layer, (q, k, v) in enumerate(kv):
+            keys = torch.cat([k[:, :, :s], k[:, :, start:stop], k[:, :, S:]], 2)
+            values = torch.cat([v[:, :, :s], v[:, :, start:stop], v[:, :, S:]], 2)
+            wo = model.layers[layer].attention.wo.weight
+            for b in range(B):
+                for head in range(a.n_heads):
+                    kvh = head // g
+                    logits = q[b, head, S:] @ keys[b, kvh].T / math.sqrt(a.head_dim)  # [n, m]
+                    m = keys.shape[2]
+                    for r in range(n):
+                        logits[r, m - n + r + 1:] = -math.inf  # own tokens: causal
+                    p = torch.softmax(logits, -1)
+                    if plus:
+                        h_norm = hidden_in[layer][b, S:].norm(dim=-1)  # the normed input of this layer
+                        wov = (values[b, kvh] @ wo[:, head * a.head_dim:(head + 1) * a.head_dim].T).norm(dim=-1)
+                        p = p / h_norm[:, None] * wov[None, :]
+                    best = p[:, s:s + stop - start].amax(0)
+                    out[layer][b, kvh, start:stop] = torch.maximum(out[layer][b, kvh, start:stop], best)
+    return out
+
+
+@pytest.mark.parametrize("plus", [False, True])
+@pytest.mark.parametrize("chunk", [7, 40])
+def test_scores_match_the_model_run_over_context_and_repeat(chunk, plus):
+    model = tiny_model(1, n_layers=3, n_heads=4, n_kv_heads=2)
+    idx = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        kv, _ = kvzip.record_prefill(model, idx)
+        fast = kvzip.context_scores(model, idx, kv, REPEAT, chunk=chunk, plus=plus)
+        slow = slow_scores(model, idx, REPEAT, chunk, plus=plus)
+    for layer, (f, s) in enumerate(zip(fast, slow)):
+        torch.testing.assert_close(f, s, rtol=1e-4, atol=1e-6, msg=f"layer {layer}")
+
+
+def test_scores_use_bounded_query_blocks(monkeypatch):
+    """Blocks of query rows give the same scores as one block."""
+    model = tiny_model(2)
+    idx = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        kv, _ = kvzip.record_prefill(model, idx)
+        whole = kvzip.context_scores(model, idx, kv, REPEAT, chunk=16)
+        monkeypatch.setattr(kvzip, "PREFILL_BLOCK_ELEMENTS", 64)
+        blocked = kvzip.context_scores(model, idx, kv, REPEAT, chunk=16)
+    for a, b in zip(whole, blocked):
+        torch.testing.assert_close(a, b)
+
+
+def test_chunk_inputs_follow_kvpress():
+    idx = torch.arange(100, 120).view(1, -1)
+    assert REPEAT.chunk_ids(idx, 0, 8).tolist() == [[5, 6, 7, 10, 11, *range(100, 108)]]
+    # later chunks: instruction, the previous chunk's last `carry` tokens, suffix, the chunk
+    assert REPEAT.chunk_ids(idx, 8, 16).tolist() == [[8, 9, 105, 106, 107, 10, 11, *range(108, 116)]]
+
+
+def test_repeat_prompt_uses_the_chat_template(tiny_checkpoint):
+    from tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_checkpoint)
+    repeat = kvzip.RepeatPrompt.from_tokenizer(tok)
+    assert tok.decode(repeat.first) == kvzip.FIRST_INSTRUCTION
+    assert tok.decode(repeat.later) == kvzip.LATER_INSTRUCTION
+    if tok.chat_format != "none":
+        assert tok.chat_prompt("X").endswith("X" + tok.decode(repeat.suffix))
+
+
+def test_prefill_keeps_the_top_scored_tokens_per_head():
+    """generate.prefill with a kvzip cache: every layer and KV head keeps its sinks and top reconstruction
+    scores, and the logits are the plain prefill's."""
+    model = tiny_model(4)
+    S, kept, new = 40, 12, 4
+    idx = torch.randint(0, 64, (2, S), generator=torch.Generator().manual_seed(2))
+    factory = make_cache_factory("kvzip", 2, model.args, S, new, budget=kept + new, kvzip_chunk=16, n_sinks=2)
+    with torch.inference_mode():
+        plain = model(idx)
+        model.setup_caches(factory)
+        logits = kvzip.prefill(model, idx)
+        kv, _ = kvzip.record_prefill(model, idx)
+        scores = kvzip.context_scores(model, idx, kv, None, chunk=16)
+    torch.testing.assert_close(logits, plain)
+    assert model.kvzip_scoring_s > 0
+    for cache, s in zip(model.caches, scores):
+        s = s.clone()
+        s[..., :2] = math.inf
+        expected = s.topk(kept, dim=-1).indices.sort(-1).values
+        assert torch.equal(cache.slot_pos[..., :kept], expected)
+        assert (cache.slot_pos[..., kept:] == -1).all()
+
+
+def test_eval_replay_scores_once_per_sample(monkeypatch):
+    """Budgets share the memoized scores: the reconstruction runs once however many caches use it."""
+    from evalcaches import MultiCache
+
+    model = tiny_model(5)
+    S = 30
+    idx = torch.randint(0, 64, (1, S), generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = kvzip.context_scores
+    monkeypatch.setattr(kvzip, "context_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        kv, _ = kvzip.record_prefill(model, idx)
+        memos = [{} for _ in model.layers]
+        for budget in (10, 16):
+            factory = make_cache_factory("kvzip", 1, model.args, S, 4, budget=budget + 4, kvzip_chunk=8)
+            caches = [MultiCache([factory(i), factory(i)]) for i in range(len(model.layers))]
+            kvzip.score_into(model, idx, kv, caches, memos)
+            for c, (q, k, v), memo in zip(caches, kv, memos):
+                c.prefill(q, k, v, memo=memo)
+    assert len(calls) == 1
+
+
+def test_layer_by_layer_prefill_is_refused():
+    model = tiny_model(6)
+    model.setup_caches(make_cache_factory("kvzip", 1, model.args, 30, 2, budget=12))
+    with pytest.raises(KVFastError, match="reconstruction pass"), torch.inference_mode():
+        model(torch.zeros(1, 30, dtype=torch.long))  # the model's own prefill cannot score
+
+
+def test_cli_kvzip(tiny_checkpoint, capsys):
+    base = ["--checkpoint", str(tiny_checkpoint), "--max-new-tokens", "4", "--temperature", "0",
+            "--cache", "kvzip"]
+    long_prompt = " ".join(["hello world"] * 30)
+    assert generate.cli([*base, "--prompt", long_prompt, "--cache-budget", "24", "--kvzip-chunk", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "kvzip reconstruction scoring" in out and "capacity per layer 24 slots" in out
+    # a prompt that fits: said, not failed
+    assert generate.cli([*base, "--prompt", "hello", "--cache-budget", "0.9"]) == 0
+    assert "nothing to compress" in capsys.readouterr().out
+    # bad input: one line, exit 2
+    for argv, message in [(["--kvzip-chunk", "0"], "--kvzip-chunk must be a whole number >= 1"),
+                          (["--prompt-compression", "kvzipp"], "unknown prompt compressor 'kvzipp'"),
+                          (["--compile-prefill"], "--compile-prefill cannot compile kvzip"),
+                          (["--cache", "h2o", "--kvzip-chunk", "64"], "--kvzip-chunk is not used by --cache h2o")]:
+        assert generate.cli([*base, "--prompt", long_prompt, "--cache-budget", "24", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, (argv, err)
