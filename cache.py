@@ -53,6 +53,7 @@ import yaml
 
 from kv import policies, prompt
 from kv.budgets import LAYER_SCHEDULES, layer_capacities, resolve_capacity, resolve_count
+from kv.expected import ExpectedAttentionCache, ExpectedAttentionPrompt
 from kv.kvzip import KVzipCache, KVzipPrompt
 from kv.policies import FullCache, WindowCache
 from kv.quant import KV_BITS
@@ -60,9 +61,11 @@ from kv.slots import KVCache
 from model import KVFastError, ModelArgs
 
 # every policy and prompt compressor by CLI name (kv/ modules define them; query-agnostic scorers live apart)
-POLICIES: dict[str, type[KVCache]] = {**policies.POLICIES, KVzipCache.name: KVzipCache}
-PROMPT_COMPRESSORS: dict[str, type[prompt.PromptCompressor]] = {**prompt.PROMPT_COMPRESSORS,
-                                                                  KVzipPrompt.name: KVzipPrompt}
+POLICIES: dict[str, type[KVCache]] = {**policies.POLICIES, KVzipCache.name: KVzipCache,
+                                      ExpectedAttentionCache.name: ExpectedAttentionCache}
+PROMPT_COMPRESSORS: dict[str, type[prompt.PromptCompressor]] = {
+    **prompt.PROMPT_COMPRESSORS, KVzipPrompt.name: KVzipPrompt,
+    ExpectedAttentionPrompt.name: ExpectedAttentionPrompt}
 
 __all__ = ["CONFIG_DIR", "POLICIES", "PROMPT_COMPRESSORS", "CacheFactory", "KVCache", "add_cache_args",
            "cache_factory_from_args", "cache_report", "check_cache_args", "format_cache_report",
@@ -115,6 +118,13 @@ def _odd(name: str, value: Any) -> int:
     return value
 
 
+def _nonnegative(name: str, value: Any) -> float:
+    value = _number(name, value)
+    if not 0 <= value < float("inf"):  # NaN fails too
+        raise KVFastError(f"--{_flag(name)} must be a finite number >= 0, got {value:g}")
+    return float(value)
+
+
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise KVFastError(f"--{_flag(name)} must be a number, got {value!r}")
@@ -139,6 +149,12 @@ PARAMS: dict[str, tuple[Any, str]] = {
     "pool": (_choice("max", "avg"), "snapkv/pyramidkv: pooling, max or avg (max)"),
     "gqa_reduce": (_choice("mean", "max"), "reduce the scores of a KV head's query heads: mean|max (mean)"),
     "h2o_normalize": (_bool, "h2o: divide accumulated attention by the number of queries that saw the token"),
+    "n_future_positions": (_whole(1), ("expected_attention: the next query positions over which the RoPE "
+                                       "rotation of the query statistics is averaged (512)")),
+    "epsilon": (_nonnegative, ("expected_attention: added to the expected attention before the ||v|| "
+                               "rescaling (0)")),
+    "refresh_interval": (_whole(1), ("expected_attention: every that many decode steps, rotate the "
+                                     "statistics to the current position and re-score every slot (64)")),
     "kvzip_chunk": (_whole(1), "kvzip: context tokens the model repeats per reconstruction chunk (2048)"),
     "kvzip_plus": (_bool, "kvzip: KVzip+ normalization (attention / ||hidden|| x ||W_o v||, as kvpress)"),
 }

@@ -129,6 +129,7 @@ class PromptCompressor:
     name: ClassVar[str] = ""
     params: ClassVar[dict[str, Any]] = {}
     window_param: ClassVar[str | None] = None  # the parameter naming a window of last tokens always kept
+    uses_values: ClassVar[bool] = False  # True: scores(q, k, memo, v) also gets the values (only then)
 
     def __init__(self, layer: int = 0, model_args: ModelArgs | None = None, **params: Any):
         unknown = set(params) - set(self.params)
@@ -147,18 +148,22 @@ class PromptCompressor:
         return getattr(self, self.window_param) if self.window_param else 0
 
     def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
-        """[B, H_kv, S] per-token scores, higher = kept; independent of the budget."""
+        """[B, H_kv, S] per-token scores, higher = kept; independent of the budget. With uses_values the
+        signature is scores(q, k, memo, v), v [B, H_kv, S, D]."""
         raise NotImplementedError
 
-    def cached_scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
+    def cached_scores(self, q: Tensor, k: Tensor, memo: dict | None = None,
+                      v: Tensor | None = None) -> Tensor:
         key = ("scores", self.name, tuple(sorted((p, getattr(self, p)) for p in self.params)))
-        return memoized(memo, key, lambda: self.scores(q, k, memo))
+        # v stays out of the key: a memo belongs to one sample and layer, hence to one v
+        values = (v,) if self.uses_values else ()
+        return memoized(memo, key, lambda: self.scores(q, k, memo, *values))
 
     def select(self, q: Tensor, k: Tensor, n: int, n_sinks: int = 0, recent_window: int = 1,
-               memo: dict | None = None) -> Tensor:
+               memo: dict | None = None, v: Tensor | None = None) -> Tensor:
         """Positions [B, H_kv, n] (ascending) each KV head keeps: the protected ones, then the top-scored."""
         S = k.shape[2]
-        scores = self.cached_scores(q, k, memo).double().expand(k.shape[:3])
+        scores = self.cached_scores(q, k, memo, v).double().expand(k.shape[:3])
         pos = torch.arange(S, device=k.device)
         # at the first decode step (t = S) the policy protects pos > S - recent_window: the last r - 1 tokens
         keep_last = max(self.window, recent_window - 1)

@@ -196,7 +196,7 @@ class KVCache(nn.Module):
             if self.compressor is None:
                 raise KVFastError(f"prompt of {S} tokens does not fit the {self.name!r} cache of "
                                   f"{self.prompt_capacity} slots and no prompt compressor is set")
-            keep = self.compressor.select(q, k, n, self.n_sinks, self.recent_window, memo)  # [B, H, n]
+            keep = self.compressor.select(q, k, n, self.n_sinks, self.recent_window, memo, v)  # [B, H, n]
             index = keep.unsqueeze(-1).expand(B, H, n, D)
             self.write_slots(None, k.gather(2, index), v.gather(2, index))
             self.slot_pos[:, :, :n] = keep

@@ -14,7 +14,7 @@ from model import ModelArgs, Transformer
 
 # hyper-parameters small enough for sequences of a few dozen tokens (the paper defaults need thousands)
 SMALL = {"n_sinks": 2, "recent_window": 4, "history_window": 16, "drop_interval": 4, "obs_window": 4,
-         "pool_kernel": 3}
+         "pool_kernel": 3, "n_future_positions": 16, "refresh_interval": 8}
 
 
 @contextmanager
