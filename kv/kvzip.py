@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kv.policies import SnapKVCache
@@ -134,37 +133,75 @@ def dense_weight(module: nn.Module) -> Tensor:
     return module.weight.float()
 
 
-def chunk_scores(q: Tensor, sinks: Tensor, span: Tensor, own: Tensor, row_scale: Tensor | None = None,
-                 key_scale: Tensor | None = None) -> Tensor:
-    """KVzip scores of one chunk's span: [B, H_kv, c], the max over the chunk's n queries (q [B, H, n, D]) and
-    over each GQA group of the softmax over [sinks, span, own] keys ([B, H_kv, *, D]; own = the queries' own keys,
-    causal). KVzip+: probabilities times row_scale [B, n] and key_scale [B, H_kv, g, keys]. Blocks of query rows
-    bound the memory."""
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T / sqrt(D) + bias) v [B, H_kv, r, D] and each row's log-sum-exp [B, H_kv, r] (fp32).
+    q: [B, H_kv, r, D] (a GQA group's queries stacked as rows); k, v: [B, H_kv, m, D]; bias [r, m] or None.
+    On CPU one fused flash-attention kernel returns both; elsewhere they are computed directly."""
+    q, k, v = q.float(), k.float(), v.float()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                          scale=scale)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    logits = logits if bias is None else logits + bias
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), v), lse
+
+
+def reconstruction_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k: Tensor, v: Tensor, start: int, stop: int,
+                             n_sinks: int, row_scale: Tensor | None = None,
+                             key_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One layer of one reconstruction chunk: the repeat queries q [B, H, n, D] attend to the whole context
+    (k_ctx, v_ctx [B, H_kv, S, D]) and causally to their own keys (k, v [B, H_kv, n, D]).
+
+    Returns the attention output [B, H, n, D] and KVzip's scores of the chunk's span start..stop-1 [B, H_kv, c]:
+    the max over the n queries and the GQA group of the softmax over [sinks, span, own keys] (kvpress's
+    normalisation), times row_scale [B, n] and key_scale [B, H_kv, g, span] for KVzip+. The attention runs as
+    two fused passes, over those keys and over the rest of the context, merged by their log-sum-exp, so the
+    scores cost one extra [n x span] product, not a second attention over everything."""
     B, H, n, D = q.shape
-    n_kv, c, s = span.shape[1], span.shape[2], sinks.shape[2]
-    keys = torch.cat([sinks, span, own], dim=2).float()
-    m = keys.shape[2]
-    g = H // n_kv
-    best = q.new_zeros(B, n_kv, c, dtype=torch.float32)
-    rows = max(1, PREFILL_BLOCK_ELEMENTS // (B * H * m))
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        qg = q[:, :, r0:r1].float().reshape(B, n_kv, g, r1 - r0, D)
-        logits = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(D))
-        future = torch.arange(n, device=q.device) > torch.arange(r0, r1, device=q.device).view(-1, 1)
-        logits[..., s + c :] = logits[..., s + c :].masked_fill(future, -math.inf)
-        probs = torch.softmax(logits, dim=-1)[..., s : s + c]
-        if row_scale is not None:
-            probs = probs * row_scale[:, None, None, r0:r1, None] * key_scale[:, :, :, None, s : s + c]
-        best = torch.maximum(best, probs.amax(dim=(2, 3)))
-    return best
+    n_kv, S = k_ctx.shape[1], k_ctx.shape[2]
+    g, s, c = H // n_kv, min(n_sinks, start), stop - start
+    qg = q.reshape(B, n_kv, g * n, D)
+    keys = torch.cat([k_ctx[:, :, :s], k_ctx[:, :, start:stop], k], dim=2)
+    values = torch.cat([v_ctx[:, :, :s], v_ctx[:, :, start:stop], v], dim=2)
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    visible = torch.cat([torch.ones(n, s + c, dtype=torch.bool, device=q.device), causal], dim=1)
+    bias = torch.zeros(visible.shape, device=q.device).masked_fill(~visible, -math.inf).repeat(g, 1)
+    out, lse = attention_lse(qg, keys, values, bias)
+    rest = [(k_ctx[:, :, a:b], v_ctx[:, :, a:b]) for a, b in ((s, start), (stop, S)) if b > a]
+    if rest:
+        rest_out, rest_lse = attention_lse(qg, torch.cat([r[0] for r in rest], 2),
+                                           torch.cat([r[1] for r in rest], 2), None)
+        total = torch.logaddexp(lse, rest_lse)
+        out = out * (lse - total).exp().unsqueeze(-1) + rest_out * (rest_lse - total).exp().unsqueeze(-1)
+    # max over rows of exp(q.k / sqrt(D) - lse + log row_scale): the offset rides as an extra channel of the
+    # queries against a channel of ones in the keys, so one product per block of rows gives the exponent
+    offset = -lse
+    if row_scale is not None:
+        offset = offset + row_scale.float().log().repeat(1, g)[:, None, :]
+    q_aug = torch.cat([qg.float() * (1.0 / math.sqrt(D)), offset.unsqueeze(-1)], dim=-1)
+    span = k_ctx[:, :, start:stop].float()
+    span_aug = torch.cat([span, span.new_ones(B, n_kv, c, 1)], dim=-1).transpose(-1, -2)
+    best = q.new_full((B, n_kv, g, c), -math.inf, dtype=torch.float32)
+    rows = max(1, PREFILL_BLOCK_ELEMENTS // (B * n_kv * c))
+    for member in range(g):  # KVzip+ scales keys per query head, so each group member keeps its own max
+        for r0 in range(member * n, (member + 1) * n, rows):
+            r1 = min((member + 1) * n, r0 + rows)
+            exponent = torch.matmul(q_aug[:, :, r0:r1], span_aug).amax(dim=2)
+            best[:, :, member] = torch.maximum(best[:, :, member], exponent)
+    probs = best.exp()
+    if key_scale is not None:
+        probs = probs * key_scale[..., s : s + c]
+    return out.view(B, H, n, D).to(q.dtype), probs.amax(dim=2)
 
 
 def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tensor, Tensor]],
                    repeat: RepeatPrompt | None = None, chunk: int = 2048, plus: bool = False,
                    n_sinks: int = 4) -> list[Tensor]:
     """KVzip's scores [B, H_kv, S] per layer for the context idx [B, S] whose per-layer post-RoPE (q, k, v) are kv
-    (a recorded prefill). Runs the reconstruction chunks through the model over the recorded K/V."""
+    (a recorded prefill). Runs the reconstruction chunks through the model over the recorded K/V; n_sinks first
+    tokens join every chunk's softmax (kvpress's n_sink)."""
     repeat = repeat or RepeatPrompt([], [], [])
     B, S = idx.shape
     a = model.args
@@ -180,27 +217,22 @@ def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tenso
             raise KVFastError(f"kvzip: context ({S}) + a reconstruction chunk ({n}) exceed the model's maximum "
                               f"length of {model.rope_cos.shape[0]}; use a smaller --kvzip-chunk")
         cos, sin = model.rope_cos[pos], model.rope_sin[pos]
-        # every repeat token sees the whole context and, causally, the chunk's own tokens
-        mask = torch.cat([torch.ones(n, S, dtype=torch.bool, device=idx.device),
-                          torch.ones(n, n, dtype=torch.bool, device=idx.device).tril()], dim=1)
         x = model.tok_embeddings(ids)
         for i, (layer, (_, k_ctx, v_ctx)) in enumerate(zip(model.layers, kv)):
             h = layer.attention_norm(x)
             q, k, v = layer.attention.project(h, cos, sin)
-            s = min(n_sinks, start)
             row_scale = key_scale = None
             if plus:
+                s = min(n_sinks, start)
                 values = torch.cat([v_ctx[:, :, :s], v_ctx[:, :, start:stop], v], dim=2).float()
                 wo = dense_weight(layer.attention.wo).view(a.dim, a.n_kv_heads, g, a.head_dim)
                 gram = torch.einsum("okgd,okge->kgde", wo, wo)  # ||W_o,h v||^2 = v^T (W_o,h^T W_o,h) v
                 key_scale = torch.einsum("bkmd,kgde,bkme->bkgm", values, gram, values).clamp(min=0).sqrt()
                 row_scale = 1.0 / h.float().norm(dim=-1)
-            scores[i][..., start:stop] = chunk_scores(q, k_ctx[:, :, :s], k_ctx[:, :, start:stop], k, row_scale,
-                                                      key_scale)
+            out, scores[i][..., start:stop] = reconstruction_attention(q, k_ctx, v_ctx, k, v, start, stop, n_sinks,
+                                                                       row_scale, key_scale)
             if i == last:
                 break  # the last layer's output feeds no score
-            keys, values = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = x + layer.attention.output(out)
             x = x + layer.feed_forward(layer.ffn_norm(x))
     return scores
