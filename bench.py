@@ -4,6 +4,7 @@
     python bench.py --section policies    # decode step time per cache policy at 512 / 2048 / 4096 tokens
     python bench.py --section quantize    # fp32 vs int8 vs int4 weights: size, decode speed, quality
     python bench.py --section kv-bits     # K/V stored in fp32 vs 8 vs 4 bits: decode step time and KV bytes
+    python bench.py --section prefill     # what each prompt compressor adds to a plain prefill (kvzip, ...)
 
 Markdown tables go to stdout, everything measured to --json.
 """
@@ -15,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,6 +42,16 @@ def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     return 2 * n_bytes / median_time(lambda: dst.copy_(src), repeats)
+
+
+def cpu_summary() -> str:
+    """What this CPU can do, read from the machine (every table records it: machines differ between runs)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 "unknown CPU")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    return f"{model}; {', '.join(simd) or 'no AVX2'}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 # ---- engine: HF vs ours -------------------------------------------------------------------------------------
@@ -169,6 +181,49 @@ def bench_policies(model: Transformer, args: argparse.Namespace) -> dict:
     return results
 
 
+# ---- prompt compression: what scoring the prompt adds to a prefill -----------------------------------------------
+def compress_prompt(model: Transformer, idx: Tensor, kv: list, caches: list) -> None:
+    """Fill caches from a recorded prefill (kv) of idx, with fresh memos: all the compressors' work."""
+    from kv import kvzip
+
+    memos = [{} for _ in caches]
+    kvzip.score_into(model, idx, kv, caches, memos)
+    for c, (q, k, v), memo in zip(caches, kv, memos):
+        c.prefill(q, k, v, memo=memo)
+
+
+def bench_prefill(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
+    """Per length: a plain prefill (every layer's q, k, v recorded), then each compressor's work on top of it
+    (statistics, scores, selection into a cache of a quarter of the prompt; kvzip: its reconstruction pass).
+    Random token ids: the cost does not depend on the text."""
+    from kv import kvzip
+    from tokenizer import load_tokenizer
+
+    tok = load_tokenizer(checkpoint if checkpoint.is_dir() else checkpoint.parent)
+    names = args.compressors
+    print(f"\nprefill vs prompt compression (s, median of {args.repeats}); ratio = (prefill + compression) / "
+          "prefill; fp32\n")
+    print("| tokens | prefill | " + " | ".join(f"{n}: s (ratio)" for n in names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    results = {}
+    for n in args.lengths:
+        idx = torch.randint(100, model.args.vocab_size - 100, (1, n), generator=torch.Generator().manual_seed(n))
+        with torch.inference_mode():
+            t_prefill = median_time(partial(kvzip.record_prefill, model, idx), args.repeats)
+            kv, _ = kvzip.record_prefill(model, idx)
+            row = {"prefill_s": t_prefill}
+            for name in names:
+                policy = "kvzip" if name == "kvzip" else "snapkv"
+                factory = kvcache.make_cache_factory(policy, 1, model.args, n, 1, prompt_compression=name,
+                                                     budget=n // 4 + 1, tokenizer=tok)
+                caches = [factory(i) for i in range(model.args.n_layers)]
+                row[name] = median_time(partial(compress_prompt, model, idx, kv, caches), args.repeats)
+        results[n] = row
+        cells = [f"{row[name]:.2f} ({(t_prefill + row[name]) / t_prefill:.2f}x)" for name in names]
+        print(f"| {n} | {t_prefill:.2f} | " + " | ".join(cells) + " |", flush=True)
+    return results
+
+
 # ---- quantized K/V: what a step costs and what the cache holds ---------------------------------------------------
 def forced_logprobs(model: Transformer, policy: str, ids: Tensor, budget: float | None, **cache_kwargs) -> Tensor:
     """Prefill the first half of ids [1, T], teacher-force the rest through the (eager) decode step: the
@@ -272,7 +327,10 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
-    p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "all"], default="engine", help="which tables")
+    p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "all"],
+                   default="engine", help="which tables")
+    p.add_argument("--compressors", nargs="+", default=["snapkv", "h2o", "expected_attention", "kvzip"],
+                   help="prefill table: prompt compressors")
     p.add_argument("--prompt-len", type=int, default=512, help="engine table: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="engine table: tokens decoded")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
@@ -293,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model = Transformer.from_checkpoint(checkpoint)
-    out = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_summary()}
+    print(f"machine: {out['cpu']}")
     if args.section in ("engine", "all"):
         out["engine"] = bench_engine(model, checkpoint, args)
     if args.section in ("policies", "all"):
@@ -302,6 +361,12 @@ def main(argv: list[str] | None = None) -> None:
         out["kv_bits"] = bench_kv_bits(model, checkpoint, args)
     if args.section in ("quantize", "all"):
         out["quantize"] = bench_quantize(model, checkpoint, args)
+    if args.section in ("prefill", "all"):
+        unknown = [c for c in args.compressors if c not in kvcache.PROMPT_COMPRESSORS]
+        if unknown:
+            raise KVFastError(f"unknown prompt compressor {unknown[0]!r} (choose from "
+                              f"{', '.join(kvcache.PROMPT_COMPRESSORS)})")
+        out["prefill"] = bench_prefill(model, checkpoint, args)
     args.json.write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json}")
 
