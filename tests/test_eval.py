@@ -160,7 +160,8 @@ def test_scoring_on_hand_made_cases():
 
 
 # ---- the evaluation ------------------------------------------------------------------------------------------
-ALL_POLICIES = ["full", "window", "random", "h2o", "scissorhands", "snapkv", "pyramidkv", "knorm", "tova"]
+ALL_POLICIES = ["full", "window", "random", "h2o", "scissorhands", "snapkv", "pyramidkv", "knorm", "tova",
+                "expected_attention", "kvzip"]
 SMALL = ["--n-sinks", "2", "--history-window", "16", "--obs-window", "4", "--pool-kernel", "3"]
 
 
@@ -196,7 +197,7 @@ def test_policies_decoded_together_match_one_at_a_time(text_file, tmp_path):
     model = tiny_model(2)
     together = {r["key"]: r for r in run_eval(text_file, tmp_path / "a", *flags, model=model)}
     alone = {r["key"]: r for r in run_eval(text_file, tmp_path / "b", *flags, "--group-gb", "0", model=model)}
-    assert together.keys() == alone.keys() and len(together) == 9 * (2 + 2 + 2)
+    assert together.keys() == alone.keys() and len(together) == len(ALL_POLICIES) * (2 + 2 + 2)
     differs = 0
     for key, a in together.items():
         b = alone[key]
