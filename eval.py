@@ -231,8 +231,8 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
     total = L + args.answer_room
     bar.set_postfix_str(f"{src}@{L}: prefill {B} x {S + Q}")
     t0 = time.perf_counter()
-    ids = torch.cat([ctx, qst], 1)
-    kv, hidden = ev.record(ids)
+    prompt_ids = torch.cat([ctx, qst], 1)
+    kv, hidden = ev.record(prompt_ids)
     last = ev.model.logits(hidden[:, -1:])
     del hidden
     prefill_s = (time.perf_counter() - t0) / B
@@ -251,7 +251,7 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
             t0 = time.perf_counter()
             caches = ev.group_caches(group, B, n, total - n)
             ev.install(caches)
-            ev.fill(caches, kv, n, memos, ids)
+            ev.fill(caches, kv, n, memos, prompt_ids)
             kvzip_s = kvzip_s or ev.kvzip_s / B  # reconstruction scoring: once per batch and mode, memoized
             first = ev.feed(qst.repeat(G, 1), S) if mode == "agnostic" else last.repeat(G, 1, 1)
             pos = S + Q
