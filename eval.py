@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="query-agnostic: compress the context, then read the question; query-aware: the "
                         "question is part of the compressed prompt")
     p.add_argument("--haystack", default="jargon",
-                   help=f"niah haystack: {', '.join(tasks.TEXT_SOURCES)} (fetched with apt into data/) or a file")
+                   help=f"niah haystack: {', '.join(tasks.TEXT_SOURCES)} (fetched with apt into data/), a file, or "
+                        f"{tasks.NOISE} (RULER's repeated filler sentences)")
     p.add_argument("--ppl-text", default="jargon",
                    help=f"ppl / attention-loss text: {', '.join(tasks.TEXT_SOURCES)} or a text file")
     p.add_argument("--ppl-length", type=int, default=None, help="tokens per ppl window (default: max --lengths)")
@@ -446,7 +447,7 @@ def evaluate(ev: Evaluator, store: Store) -> None:
         if "fidelity" in args.tasks and "niah_single" not in sources:
             sources.append("niah_single")
         if any(src != "passkey" for src in sources):
-            sentences = tasks.encode_sentences(ev.tok, tasks.prose_sentences(tasks.load_text(args.haystack)))
+            sentences = tasks.haystack_units(ev.tok, args.haystack)
         # every prompt is built first (cheap), so a length that cannot hold a task fails before any work
         def cells(src: str) -> list[tuple[int, list[str]]]:
             """(length, tasks) for a source: fidelity rides on niah_single at --fidelity-lengths."""

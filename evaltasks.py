@@ -319,6 +319,16 @@ def encode_sentences(tok: TokenizerLike, sentences: list[str]) -> list[list[int]
     return [tok.encode(" " + s) for s in sentences]
 
 
+NOISE = "noise"  # RULER's noise haystack (niah_single_1): the passkey filler repeated, no prose
+
+
+def haystack_units(tok: TokenizerLike, haystack: str) -> list[list[int]]:
+    """The token units a niah haystack is assembled from: prose sentences of a text, or RULER's noise."""
+    if haystack == NOISE:
+        return [tok.encode(PASSKEY_FILLER)]
+    return encode_sentences(tok, prose_sentences(load_text(haystack)))
+
+
 def make_prompts(task: str, tok: TokenizerLike, framing: Framing, length: int, n: int, seed: int,
                  depths: list[float], sentences: list[list[int]] | None = None) -> list[Prompt]:
     """The first n samples of a (task, length) cell."""

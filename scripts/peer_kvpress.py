@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> Path:
     framing = tasks.Framing.make(tok, False)
     sentences = None
     if args.task != "passkey":
-        sentences = tasks.encode_sentences(tok, tasks.prose_sentences(tasks.load_text(args.haystack)))
+        sentences = tasks.haystack_units(tok, args.haystack)
     prompts = {L: tasks.make_prompts(args.task, tok, framing, L, args.n, args.seed, args.depths, sentences)
                for L in args.lengths}
     combos: list[tuple[str, Any]] = [("full", None)]

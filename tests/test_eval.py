@@ -130,6 +130,17 @@ def test_needle_is_present_at_the_stated_depth(task):
         assert abs(p.meta["depth"] - p.meta["requested_depth"]) <= unit / hay + 1e-9
 
 
+def test_noise_haystack_is_rulers_filler():
+    """--haystack noise: the needles sit in the passkey filler (RULER's niah_single_1 haystack), exact length."""
+    tok = ByteTokenizer()
+    units = tasks.haystack_units(tok, tasks.NOISE)
+    assert units == [tok.encode(tasks.PASSKEY_FILLER)]
+    for p in tasks.make_prompts("niah_multikey", tok, tasks.Framing.make(tok, False), 900, 3, 0, [0.5], units):
+        text = tok.decode(p.context)
+        assert len(p.context) + len(p.question) == 900 and text.count("One of the special magic numbers") == 4
+        assert text.count("The grass is green.") > 5 and p.answers[0] in text
+
+
 def test_text_cleaning_and_windows():
     raw = "Table of Contents\n\n1. Intro\n\nChapter\xa01. Hello\n\n   A wrapped\n   paragraph {with} braces.\n\n" \
           "═══════\n\n   Second  paragraph."
