@@ -138,7 +138,7 @@ def test_noise_haystack_is_rulers_filler():
     for p in tasks.make_prompts("niah_multikey", tok, tasks.Framing.make(tok, False), 900, 3, 0, [0.5], units):
         text = tok.decode(p.context)
         assert len(p.context) + len(p.question) == 900 and text.count("One of the special magic numbers") == 4
-        assert text.count("The grass is green.") > 5 and p.answers[0] in text
+        assert text.count("The grass is green.") >= 3 and p.answers[0] in text
 
 
 def test_text_cleaning_and_windows():
