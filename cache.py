@@ -56,13 +56,14 @@ from kv.budgets import LAYER_SCHEDULES, layer_capacities, resolve_capacity, reso
 from kv.expected import ExpectedAttentionCache, ExpectedAttentionPrompt
 from kv.kvzip import KVzipCache, KVzipPrompt
 from kv.policies import FullCache, WindowCache
+from kv.pool import POOL_POLICIES, PoolCache
 from kv.quant import KV_BITS
 from kv.slots import KVCache
 from model import KVFastError, ModelArgs
 
 # every policy and prompt compressor by CLI name (kv/ modules define them; query-agnostic scorers live apart)
 POLICIES: dict[str, type[KVCache]] = {**policies.POLICIES, KVzipCache.name: KVzipCache,
-                                      ExpectedAttentionCache.name: ExpectedAttentionCache}
+                                      ExpectedAttentionCache.name: ExpectedAttentionCache, **POOL_POLICIES}
 PROMPT_COMPRESSORS: dict[str, type[prompt.PromptCompressor]] = {
     **prompt.PROMPT_COMPRESSORS, KVzipPrompt.name: KVzipPrompt,
     ExpectedAttentionPrompt.name: ExpectedAttentionPrompt}
@@ -118,6 +119,13 @@ def _odd(name: str, value: Any) -> int:
     return value
 
 
+def _fraction(name: str, value: Any) -> float:
+    value = _number(name, value)
+    if not 0 <= value <= 1:
+        raise KVFastError(f"--{_flag(name)} must lie in [0, 1], got {value:g}")
+    return float(value)
+
+
 def _nonnegative(name: str, value: Any) -> float:
     value = _number(name, value)
     if not 0 <= value < float("inf"):  # NaN fails too
@@ -157,6 +165,10 @@ PARAMS: dict[str, tuple[Any, str]] = {
                                      "statistics to the current position and re-score every slot (64)")),
     "kvzip_chunk": (_whole(1), "kvzip: context tokens the model repeats per reconstruction chunk (2048)"),
     "kvzip_plus": (_bool, "kvzip: KVzip+ normalization (attention / ||hidden|| x ||W_o v||, as kvpress)"),
+    "adakv_floor": (_fraction, ("adakv: Ada-KV's floor_alpha, the share of the average per-head budget every "
+                                "KV head keeps (0.2; 0 = pure top-k across heads)")),
+    "adakv_normalize": (_bool, ("adakv: scale each head's prompt scores by the share of its top-B' in its "
+                                "total (Ada-KV's normalize) before ranking across heads (on)")),
 }
 GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
            "kv_group_size")
@@ -403,10 +415,12 @@ class CacheFactory:
             values["recent_window"] = window_rest if self.cls is WindowCache else resolve_count(recent, cap)
             recent = values["recent_window"]
         where = f" (layer {layer})" if len(set(self.capacities)) > 1 else ""
+        compresses = self.compressor_cls is not None and self.prompt_len > prompt_cap
+        if issubclass(self.cls, PoolCache) and (evicting or compresses):
+            self._check_pool(cap, n_sinks, recent, window if compresses else 0, where)
         if evicting and (cap < n_sinks + recent or recent < 1):
             raise KVFastError(f"--cache-budget gives {cap} slots{where}, fewer than {self.policy} needs: "
                               f"n_sinks ({n_sinks}) + recent_window ({max(recent, 1)})")
-        compresses = self.compressor_cls is not None and self.prompt_len > prompt_cap
         if compresses and prompt_cap < n_sinks + max(window, recent - 1):
             kept = f"n_sinks ({n_sinks}) + " + (f"obs_window ({window})" if window >= recent - 1 else
                                                  f"recent_window - 1 ({recent - 1})")
@@ -415,6 +429,19 @@ class CacheFactory:
         if "drop_interval" in values:
             values["drop_interval"] = self._drop_interval(n_sinks)
         return values
+
+    def _check_pool(self, cap: int, n_sinks: int, recent: int, window: int, where: str) -> None:
+        """A pool policy needs, per KV head, the prompt's protected tokens (n_sinks + window) and, while
+        decoding, its sinks and recent window with one slot to evict from (n_sinks + recent_window): the
+        per-head floor; the pool (H_kv x --cache-budget) must hold it for every head."""
+        heads = self.model_args.n_kv_heads
+        floor = n_sinks + max(window, recent)
+        if cap < floor:
+            parts = (f"n_sinks ({n_sinks}) + max(obs_window ({window}), recent_window ({recent}))" if window
+                     else f"n_sinks ({n_sinks}) + recent_window ({recent})")
+            raise KVFastError(f"--cache-budget gives {cap} slots per KV head{where}, a pool of "
+                              f"{cap * heads}, below {self.policy}'s per-head floor {floor} = {parts} x {heads} "
+                              f"KV heads = {floor * heads}")
 
     def _drop_interval(self, n_sinks: int) -> int:
         """One re-ranking interval m for all layers (generate.Decoder reads layer 0's): a queue of m slots
@@ -454,8 +481,10 @@ class CacheFactory:
         comp = f" + {self.prompt_compression} prompt compression" if self.prompt_compression else ""
         quant = (f"; K/V stored as {self.kv_bits}-bit codes, fp32 scale + zero point per {self.kv_group_size} "
                  "channels" if self.kv_bits else "")
-        return (f"cache: {self.policy}{comp}, capacity per layer {cap} slots" + (f"; {params}" * bool(params))
-                + quant)
+        pool = (f"; slots per KV head on average, one pool of {self.model_args.n_kv_heads} x that per layer "
+                "shared by the KV heads" if issubclass(self.cls, PoolCache) else "")
+        return (f"cache: {self.policy}{comp}, capacity per layer {cap} slots{pool}"
+                + (f"; {params}" * bool(params)) + quant)
 
 
 # ---- reporting ------------------------------------------------------------------------------------------

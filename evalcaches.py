@@ -18,6 +18,7 @@ from torch import Tensor, nn
 import cache as kvcache
 from generate import Decoder
 from kv import kvzip
+from kv.pool import PoolCache
 from model import Transformer
 
 
@@ -60,8 +61,11 @@ class ShadowCaches(nn.Module):
         B, H, g, _ = p.shape
         losses = []
         for f in self.followers:
-            index = f.slot_pos.clamp(min=0).unsqueeze(2).expand(B, H, g, -1)
-            kept = p.gather(-1, index) * (f.slot_pos >= 0).unsqueeze(2)
+            if isinstance(f, PoolCache):  # slots of every head in one pool: gathered by (owner, position)
+                kept = f.restrict(p)
+            else:
+                index = f.slot_pos.clamp(min=0).unsqueeze(2).expand(B, H, g, -1)
+                kept = p.gather(-1, index) * (f.slot_pos >= 0).unsqueeze(2)
             losses.append(1 - kept.sum(-1).mean(dim=(1, 2)))
             if f.needs_attention:
                 f.observe(kept.unsqueeze(3))
@@ -89,6 +93,9 @@ class MultiCache(nn.Module):
         self.refresh_interval = next(iter(intervals), None)
         if any(m.kv_bits for m in members):
             raise ValueError("MultiCache shares full-precision K/V buffers; quantized K/V is not batched")
+        if any(isinstance(m, PoolCache) for m in members):
+            raise ValueError("MultiCache views [B, H_kv, C, D] buffers; a pool cache decodes in a group "
+                             "of its own")
         B, H, _, D = members[0].k.shape
         self.rows = B
         C = max(m.capacity for m in members)
@@ -186,9 +193,12 @@ class Evaluator:
         return caches
 
     def groups(self, combos: list[Combo], B: int, prompt_len: int, max_new: int) -> list[list[Combo]]:
-        """Combos decoded together: full alone; the others by budget, within --group-gb of K/V buffers and with at
-        most one refresh interval (the decode loop refreshes every member at that interval)."""
-        out = [[c] for c in combos if c.is_full]
+        """Combos decoded together: full alone; pool policies (kv.pool: one [B, P, D] pool per layer, which
+        MultiCache cannot view) alone; the others by budget, within --group-gb of K/V buffers and with at most
+        one refresh interval (the decode loop refreshes every member at that interval)."""
+        pool = [c for c in combos if not c.is_full and issubclass(kvcache.POLICIES[c.policy], PoolCache)]
+        out = [[c] for c in combos if c.is_full] + [[c] for c in pool]
+        combos = [c for c in combos if c not in pool]
         a = self.model.args
         slot_bytes = B * a.n_layers * 2 * a.n_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
         by_budget: dict[float, list[Combo]] = {}

@@ -135,7 +135,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     mask None means causal attention of S queries over the same S keys (prefill on fresh K/V); otherwise
     mask is [B, H_kv, S, T] bool (True = may attend). When want_probs, the probabilities are computed
     explicitly and returned as [B, H_kv, g, S, T] so a cache policy can score its slots per KV head.
+
+    k, v of shape [B, P, D] are a layer's pool shared by its KV heads (kv.pool): see attend_pool.
     """
+    if k.dim() == 3:
+        return attend_pool(q, k, v, mask, want_probs)
     B, H, S, D = q.shape
     n_kv = k.shape[1]
     if not want_probs:
@@ -156,6 +160,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.type_as(v).view(B, n_kv, g * S, -1), v)
     return out.view(B, H, S, D), probs
+
+
+def attend_pool(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                want_probs: bool) -> tuple[Tensor, Tensor | None]:
+    """Attention over a per-layer pool (DESIGN.md, "Per-head budgets"): k, v [B, P, D] hold the slots of
+    every KV head; mask [B, H_kv, S, P] says which slots KV head h owns (and holds a token), for each of its g
+    query heads.
+
+    All H query heads score every slot in one product, so the pool is read once whatever the split between
+    heads (the extra H_kv-fold flops are cheap next to the bytes on a bandwidth-bound step); the mask keeps
+    each query head to its own KV head's slots. probs [B, H_kv, g, S, P] are exactly 0 outside them."""
+    B, H, S, D = q.shape
+    n_kv, P = mask.shape[1], k.shape[1]
+    g = H // n_kv
+    scores = torch.matmul(q.reshape(B, H * S, D), k.transpose(1, 2)).view(B, n_kv, g, S, P)
+    scores = scores * (1.0 / math.sqrt(D))
+    probs = torch.softmax(scores.float().masked_fill(~mask.unsqueeze(2), float("-inf")), dim=-1)
+    out = torch.matmul(probs.type_as(v).view(B, H * S, P), v)
+    return out.view(B, H, S, D), probs if want_probs else None
 
 
 class Attention(nn.Module):

@@ -112,26 +112,33 @@ class KVCache(nn.Module):
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_bits, self.kv_group_size = kv_bits, (kv_group_size or head_dim) if kv_bits else None
-        shape = (batch_size, n_kv_heads, capacity, head_dim)
-        if kv_bits:
-            codes = (*shape[:3], storage_width(head_dim, kv_bits))
-            groups = (*shape[:3], head_dim // self.kv_group_size)
-            for name in ("k", "v"):
-                self.register_buffer(name, torch.zeros(codes, dtype=torch.uint8, device=device), persistent=False)
-                for part in ("scale", "zero"):
-                    self.register_buffer(f"{name}_{part}", torch.zeros(groups, dtype=torch.float32, device=device),
-                                         persistent=False)
-        else:
-            self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("slot_pos", torch.full(shape[:3], -1, dtype=torch.long, device=device),
-                             persistent=False)
+        self.allocate((batch_size, n_kv_heads, capacity))
         # tokens seen so far = the next position; read once at the end for the report (no per-step sync)
         self.register_buffer("seen", torch.zeros(1, dtype=torch.long, device=device), persistent=False)
         self._state_fill: dict[str, float | int] = {}
         self.init_state()
 
     # ---- K/V storage ---------------------------------------------------------------------------------
+    def allocate(self, slots: tuple[int, ...]) -> None:
+        """Register k, v (codes, scales and zero points when quantized) of shape [*slots, D] and slot_pos
+        [*slots]; the pool layout (kv.pool) passes [B, P] instead of [B, H_kv, C]."""
+        device, D = self.device, self.head_dim
+        if self.kv_bits:
+            codes = (*slots, storage_width(D, self.kv_bits))
+            groups = (*slots, D // self.kv_group_size)
+            for name in ("k", "v"):
+                self.register_buffer(name, torch.zeros(codes, dtype=torch.uint8, device=device),
+                                     persistent=False)
+                for part in ("scale", "zero"):
+                    zeros = torch.zeros(groups, dtype=torch.float32, device=device)
+                    self.register_buffer(f"{name}_{part}", zeros, persistent=False)
+        else:
+            for name in ("k", "v"):
+                self.register_buffer(name, torch.zeros((*slots, D), dtype=self.dtype, device=device),
+                                     persistent=False)
+        self.register_buffer("slot_pos", torch.full(slots, -1, dtype=torch.long, device=device),
+                             persistent=False)
+
     def kv_buffers(self) -> list[str]:
         """Names of the buffers that hold K/V (codes, scales and zero points when quantized)."""
         return ["k", "v"] if not self.kv_bits else ["k", "k_scale", "k_zero", "v", "v_scale", "v_zero"]

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from cache import POLICIES, PROMPT_COMPRESSORS, CacheFactory, make_cache_factory
 from generate import Decoder, prefill
+from kv.pool import PoolCache
 from model import ModelArgs, Transformer
 
 # hyper-parameters small enough for sequences of a few dozen tokens (the paper defaults need thousands)
@@ -79,6 +80,21 @@ def small_factory(policy: str, batch_size: int, args: ModelArgs, prompt_len: int
     params = small_params(policy, override.pop("prompt_compression", None), **override)
     return make_cache_factory(policy, batch_size, args, prompt_len, max_new_tokens,
                               budget=budget_for(policy, kept, max_new_tokens), **params)
+
+
+def head_positions(cache) -> list[list[list[int]]]:
+    """[row][KV head] -> the positions the head holds, slot order, uniform layout or pool (kv.pool)."""
+    if isinstance(cache, PoolCache):
+        return [[[p for p, h in zip(pos.tolist(), head.tolist()) if h == kv and p >= 0]
+                 for kv in range(cache.n_kv_heads)] for pos, head in zip(cache.slot_pos, cache.slot_head)]
+    return [[[p for p in head.tolist() if p >= 0] for head in row] for row in cache.slot_pos]
+
+
+def within_memory(cache) -> bool:
+    """No more valid slots than allocated: C per KV head, or P per row for a pool (heads share it)."""
+    if isinstance(cache, PoolCache):
+        return bool((cache.kept().sum(-1) <= cache.pool_size).all())
+    return bool((cache.kept() <= cache.capacity).all())
 
 
 def generate_tokens(model: Transformer, prompt: Tensor, n_new: int, decoder: Decoder | None = None,

@@ -1,0 +1,311 @@
+"""Per-head budgets in one pool per layer (DESIGN.md, "Per-head budgets (pool layout)"), and Ada-KV on it.
+
+Layout: a layer's K/V live in one pool k, v [B, P, D] (uint8 codes + fp32 scales / zero points with --kv-bits)
+beside slot_pos [B, P] (original position, -1 = empty) and slot_head [B, P] (the KV head that owns the slot).
+Every slot always has exactly one owner, so a head's budget is the number of slots it owns and the memory is P
+slots whatever the split. `capacity` is the average budget per KV head B (what --cache-budget sets), P =
+H_kv x B. After reset() head h owns slots h B .. (h + 1) B - 1 (the even split); a prompt that fits is written
+there.
+
+Decode (compiled, static shapes): the new token brings H_kv keys, one per KV head; they take the H_kv slots of
+the layer with the lowest `slot_scores` across heads (empty slots first; sinks and the recent window, per
+head, never), chosen greedily one at a time so that no head falls below its floor `head_floor`: head h may
+give up at most (slots it owns) + 1 - floor slots in a step. Ownership moves with the slot, so budgets adapt
+while decoding and nothing is reallocated. Attention (model.attend_pool) reads the pool once under the mask
+slot_head == h. Prefill: when the prompt exceeds B tokens per head the policy's `select_pairs` picks exactly P
+(KV head, token) pairs across heads; they are written head by head in position order.
+
+A policy on the pool defines select_pairs, slot_scores and the statistics hooks (on_insert, observe,
+prefill_state), like a uniform policy does (kv.slots).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from kv.slots import INF, KVCache, reduce_groups
+
+
+class PoolCache(KVCache):
+    """The pool mechanics shared by per-head-budget policies (a layout, no paper: see the module doc)."""
+
+    def allocate(self, slots: tuple[int, ...]) -> None:
+        B, H, C = slots
+        self.pool_size = H * C
+        super().allocate((B, self.pool_size))
+        home = (torch.arange(self.pool_size) // C).expand(B, -1).to(self.device)
+        self.register_buffer("slot_head", home.clone(), persistent=False)
+        self.register_buffer("head_ids", torch.arange(H, device=self.device), persistent=False)
+
+    @property
+    def head_floor(self) -> int:
+        """Slots no head ever drops below by eviction (0: no floor)."""
+        return 0
+
+    def protected_prompt(self) -> int:
+        """Last prompt tokens each head keeps at prefill: the compressor's window and the recent window."""
+        return max(self.compressor.window if self.compressor is not None else 0, self.recent_window - 1)
+
+    # ---- K/V storage ---------------------------------------------------------------------------------
+    def write_slots(self, slot: Tensor | None, k: Tensor, v: Tensor) -> None:
+        """Store K/V [B, n, D] in pool slots `slot` [B, n] (None: slots 0..n-1), quantized once if kv_bits."""
+        if self.kv_bits:
+            parts = [*self.quantize(k), *self.quantize(v)]
+        else:
+            parts = [k, v]
+        for name, value in zip(self.kv_buffers(), parts):
+            buffer = getattr(self, name)
+            if slot is None:
+                buffer[:, : value.shape[1]] = value
+            else:
+                buffer.scatter_(1, slot.unsqueeze(-1).expand(value.shape), value)
+
+    def quantize(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        from kv.quant import quantize_tokens
+
+        return quantize_tokens(x, self.kv_bits, self.kv_group_size)
+
+    def home_slots(self, n: int) -> Tensor:
+        """[H_kv * n] slots of the first n tokens of each head in the even split (head-major)."""
+        H, C = self.n_kv_heads, self.capacity
+        return ((self.head_ids * C).view(H, 1) + torch.arange(n, device=self.device)).flatten()
+
+    def reset(self) -> None:
+        super().reset()
+        self.slot_head.copy_(torch.arange(self.pool_size, device=self.device) // self.capacity)
+
+    def owned(self) -> Tensor:
+        """[B, H_kv, P] bool: slot p holds a token of KV head h."""
+        mine = self.slot_head.unsqueeze(1) == self.head_ids.view(1, -1, 1)
+        return mine & (self.slot_pos >= 0).unsqueeze(1)
+
+    # ---- prefill -------------------------------------------------------------------------------------
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, memo: dict | None = None) -> None:
+        """Fill an empty pool with a prompt's K/V [B, H_kv, S, D]: all of it in the even split if it fits
+        (S <= capacity), else the P pairs `select_pairs` keeps, with the prior scores it gives them."""
+        B, H, S, D = k.shape
+        memo = {} if memo is None else memo
+        self.reset()
+        if S <= self.prompt_capacity:
+            slots = self.home_slots(S).expand(B, -1)
+            self.write_slots(slots, k.reshape(B, H * S, D), v.reshape(B, H * S, D))
+            self.slot_pos.scatter_(1, slots, torch.arange(S, device=k.device).repeat(H).expand(B, -1))
+            prior = None
+        else:
+            keep, scores = self.select_pairs(q, k, v, memo)  # [B, H_kv, S] bool, exactly P per row
+            flat = torch.arange(H * S, device=k.device)
+            # the kept pairs in (head, position) order: dropped ones sort behind every kept one
+            index = torch.where(keep.reshape(B, H * S), flat, flat + H * S).sort(dim=-1).values
+            index = index[:, : self.pool_size]
+            if int(index.max()) >= H * S:
+                raise AssertionError(f"{self.name}: select_pairs kept fewer than {self.pool_size} pairs")
+            rows = index.unsqueeze(-1).expand(B, self.pool_size, D)
+            pairs = [x.reshape(B, H * S, D).gather(1, rows) for x in (k, v)]
+            self.write_slots(None, *pairs)
+            self.slot_pos.copy_(index % S)
+            self.slot_head.copy_(index // S)
+            prior = scores.reshape(B, H * S).gather(1, index)
+        self.seen.fill_(S)
+        self.prefill_state(q, k, prior, memo)
+
+    def select_pairs(self, q: Tensor, k: Tensor, v: Tensor, memo: dict) -> tuple[Tensor, Tensor]:
+        """(keep [B, H_kv, S] bool with exactly P True per row, scores [B, H_kv, S] the policy's prior for the
+        kept pairs). Called only when the prompt exceeds `prompt_capacity` tokens per head."""
+        raise NotImplementedError
+
+    def prefill_state(self, q: Tensor, k: Tensor, prior: Tensor | None, memo: dict) -> None:
+        """Seed the statistics of the prompt's slots: prior [B, P] from select_pairs, None if all fit."""
+
+    # ---- decode --------------------------------------------------------------------------------------
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Write one token's H_kv keys ([B, H_kv, 1, D]) into the victims; return the pool and the mask
+        [B, H_kv, 1, P] of each KV head's slots."""
+        slot = self.choose_slots(input_pos)  # [B, H_kv]: slot of KV head h's new key
+        B, H = slot.shape
+        self.write_slots(slot, k[:, :, 0], v[:, :, 0])
+        self.slot_pos.scatter_(1, slot, input_pos.view(1, 1).expand(B, H))
+        self.slot_head.scatter_(1, slot, self.head_ids.view(1, H).expand(B, H))
+        self.seen.copy_(input_pos + 1)
+        self.on_insert(slot, k, input_pos)
+        return *self.keys_values(), self.owned().unsqueeze(2)
+
+    def choose_slots(self, input_pos: Tensor) -> Tensor:
+        """H_kv victims per row, the lowest-scored first, each head giving up at most (owned + 1 - floor).
+
+        Each pick is a lexicographic argmin over (tier, score): tier 0 = empty or evictable within the head's
+        allowance, 1 = evictable but its head is at its floor, 2 = protected, 3 = already picked. Tiers 1-2
+        are never reached under a budget the factory accepts (every head keeps its protected tokens + 1 slot);
+        they keep the picks distinct even then. A fixed H_kv-step loop: static shapes, one graph."""
+        H = self.n_kv_heads
+        pos, head = self.slot_pos, self.slot_head
+        valid = pos >= 0
+        score = self.slot_scores(input_pos).masked_fill(~valid, -INF)
+        protected = valid & ((pos < self.n_sinks) | (pos > input_pos - self.recent_window))
+        base = protected.long() * 2
+        allowance = self.owned().sum(-1) + 1 - self.head_floor  # [B, H_kv]
+        lost = torch.zeros_like(allowance)
+        picked = torch.zeros_like(valid)
+        slots = []
+        for _ in range(H):
+            at_floor = (lost >= allowance).gather(1, head) & valid & ~protected
+            tier = torch.where(picked, 3, base + at_floor.long())
+            best = tier == tier.amin(-1, keepdim=True)
+            slot = score.masked_fill(~best, INF).argmin(-1, keepdim=True)  # [B, 1]
+            picked = picked.scatter(1, slot, True)
+            lost = lost.scatter_add(1, head.gather(1, slot), valid.gather(1, slot).long())
+            slots.append(slot)
+        return torch.cat(slots, dim=1)
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        """[B, P] float, low = evicted first; comparable across heads."""
+        raise NotImplementedError
+
+    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
+        """Reset the statistics of the slots just overwritten (slot [B, H_kv]: KV head h's new key)."""
+
+    def observe(self, probs: Tensor) -> None:
+        """probs: [B, H_kv, g, 1, P] attention of the new query heads over the pool (0 outside own slots)."""
+
+    # ---- eval's attention-loss probe -------------------------------------------------------------------
+    def restrict(self, probs: Tensor) -> Tensor:
+        """A full cache's attention probs [B, H_kv, g, T] (slot j = position j) over this pool's slots:
+        [B, H_kv, g, P], each query head's attention on the tokens its KV head still holds, 0 elsewhere."""
+        B, H, g, T = probs.shape
+        index = self.slot_head * T + self.slot_pos.clamp(min=0)  # [B, P] into the flattened (head, position)
+        flat = probs.permute(0, 1, 3, 2).reshape(B, H * T, g)
+        held = flat.gather(1, index.unsqueeze(-1).expand(-1, -1, g)).transpose(1, 2)  # [B, g, P]
+        return held.unsqueeze(1) * self.owned().unsqueeze(2)
+
+    # ---- benchmarking and reporting --------------------------------------------------------------------
+    def fill_synthetic(self, seq_len: int, generator: torch.Generator | None = None) -> None:
+        """As if seq_len tokens had been seen: the even split, each head holding its sinks and its most
+        recent tokens (random K/V)."""
+        n = min(seq_len, self.prompt_capacity)
+        sinks = min(self.n_sinks, n)
+        positions = torch.cat([torch.arange(sinks), torch.arange(seq_len - (n - sinks), seq_len)])
+        self.reset()
+        B, H, D = self.batch_size, self.n_kv_heads, self.head_dim
+        slots = self.home_slots(n).expand(B, -1)
+        kv = [torch.randn((B, H * n, D), generator=generator).to(self.device, self.dtype) for _ in "kv"]
+        self.write_slots(slots, *kv)
+        self.slot_pos.scatter_(1, slots, positions.to(self.device).repeat(H).expand(B, -1))
+        self.seen.fill_(seq_len)
+        self.synthetic_state(generator)
+
+    def kept(self) -> Tensor:
+        """Valid slots per (row, KV head): the heads' current budgets in use."""
+        return self.owned().sum(-1)
+
+
+def adakv_budgets(scores: Tensor, base: int, alpha: float, normalize: bool) -> tuple[Tensor, Tensor]:
+    """Ada-KV's per-head budgets (FFY0/AdaKV `AdaptiveSnapKVCluster.update_kv_gqa`): for candidate scores
+    [B, H, n] and an average of `base` selected tokens per head, returns (budgets [B, H] long summing to
+    H x base, the per-head factor [B, H, 1] applied by `normalize`).
+
+    Each head's scores sorted; with normalize each head's multiplied by (sum of its top-base / its total)
+    (non-negative scores; a head with nothing positive keeps factor 1); c_h = head h's share of the layer's
+    top-(H x base); budget = c_h (1 - alpha) + alpha x base. Deviation: the reference rounds each head's
+    budget on its own (round(c_h (1 - alpha) + int(alpha x base))), which can leave the layer a few slots
+    short or over; here the fractions are apportioned by largest remainder (ties: lower head first), so the
+    budgets sum to exactly H x base and each is within one slot of the reference's. Ties between scores go to
+    the lower head and then the earlier rank (stable sorts), identically in every row."""
+    B, H, n = scores.shape
+    ranked = scores.sort(dim=-1, descending=True, stable=True).values
+    factor = torch.ones(B, H, 1, dtype=ranked.dtype, device=ranked.device)
+    if normalize:
+        positive = ranked.clamp(min=0)
+        total = positive.sum(-1, keepdim=True)
+        factor = torch.where(total > 0, positive[..., :base].sum(-1, keepdim=True) / total, factor)
+    adjusted = (ranked * factor).reshape(B, H * n)
+    top = adjusted.sort(dim=-1, descending=True, stable=True).indices[:, : H * base]
+    counts = torch.zeros(B, H, dtype=ranked.dtype, device=ranked.device)
+    counts.scatter_add_(1, top // n, torch.ones_like(top, dtype=ranked.dtype))
+    target = counts * (1 - alpha) + alpha * base
+    whole = (target - 1e-9).floor()  # never above the exact floor, so at most H slots are left to hand out
+    short = H * base - whole.sum(-1, keepdim=True)
+    order = (target - whole).sort(dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(H, device=order.device).expand(B, H))
+    return (whole + (rank < short)).long(), factor
+
+
+class AdaKVCache(PoolCache):
+    """Ada-KV (Feng et al., arXiv:2407.11550): per layer the top H_kv x B pairs across KV heads, a floor each.
+
+    Prompt: the sinks and the last max(window, recent_window - 1) tokens of every head are kept; the other
+    H_kv x B' pairs (B' = B - those) are chosen by `adakv_budgets` (adakv_floor = Ada-KV's floor_alpha, 0.2;
+    adakv_normalize = its `normalize`) from the scores of any prompt compressor (default SnapKV: w = 32,
+    kernel 7, max pooling, Ada-KV's settings; with kvzip and adakv_floor 0 the pairs are KVzip's joint top-k
+    across heads, as kvpress's KVzipPress ranks them), each head keeping its top-b_h. Every head keeps at
+    least its protected tokens + floor(alpha B') slots, at prefill and during decoding.
+
+    Decode (Ada-KV itself appends and never evicts): one score per slot, comparable across heads, score =
+    prior + attention paid by decode queries (group-reduced by gqa_reduce, accumulated), where the prior is
+    the pair's (normalized) prompt score, the protected prompt tokens taking their head's highest, and decoded
+    tokens start at 0 (recent_window 32 = Ada-KV's window protects them meanwhile). Every query head spends
+    one unit of attention per step over its own KV head's slots, so accumulated attention is on one scale
+    across heads: evicting the lowest loses the least attention mass, the quantity Ada-KV's bound (L1 output
+    loss <= attention mass evicted, summed over heads) is about; with an attention compressor (snapkv, h2o,
+    kvzip) the prior is that mass as the prompt's queries paid it. A prompt that fits is not scored: its
+    tokens start at 0 like decoded ones. Cost: one scan of P scores per KV head per step."""
+
+    name = "adakv"
+    needs_attention = True
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 0, "recent_window": 32, "adakv_floor": 0.2,
+                                        "adakv_normalize": True, "gqa_reduce": "mean"}
+    default_prompt_compressor = "snapkv"
+
+    def init_state(self) -> None:
+        self.add_state("score", (self.batch_size, self.pool_size))
+
+    @property
+    def base_capacity(self) -> int:
+        """Ada-KV's B': the selected (not protected) slots per head on average."""
+        return self.capacity - self.n_sinks - self.protected_prompt()
+
+    @property
+    def head_floor(self) -> int:
+        protected = self.n_sinks + self.protected_prompt()
+        # a budget that holds less than the prompt's protected tokens (a prompt that fits) caps it at B
+        return min(protected + int(self.adakv_floor * max(self.base_capacity, 0)), self.capacity)
+
+    def select_pairs(self, q: Tensor, k: Tensor, v: Tensor, memo: dict) -> tuple[Tensor, Tensor]:
+        B, H, S, _ = k.shape
+        scores = self.compressor.cached_scores(q, k, memo, v).double().expand(B, H, S)
+        pos = torch.arange(S, device=k.device)
+        protected = (pos < self.n_sinks) | (pos >= S - self.protected_prompt())
+        candidates = scores[..., ~protected]  # [B, H, n]
+        base = self.capacity - int(protected.sum())
+        budgets, factor = adakv_budgets(candidates, base, self.adakv_floor, self.adakv_normalize)
+        order = candidates.sort(dim=-1, descending=True, stable=True).indices
+        n = candidates.shape[-1]
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=k.device).expand_as(order))
+        keep = protected.expand(B, H, S).clone()
+        keep[..., ~protected] = rank < budgets.unsqueeze(-1)
+        prior = candidates * factor
+        top = prior.amax(-1, keepdim=True) if n else torch.zeros(B, H, 1, dtype=prior.dtype, device=k.device)
+        full = top.expand(B, H, S).clone()
+        full[..., ~protected] = prior
+        return keep, full
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        return self.score
+
+    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
+        self.score.scatter_(1, slot, 0.0)
+
+    def observe(self, probs: Tensor) -> None:
+        # a slot's attention is nonzero only in its own KV head's row: the sum over heads picks it out
+        self.score.add_(reduce_groups(probs[:, :, :, 0], self.gqa_reduce).sum(1))
+
+    def prefill_state(self, q: Tensor, k: Tensor, prior: Tensor | None, memo: dict) -> None:
+        if prior is not None:
+            self.score.copy_(prior.float())
+
+    def synthetic_state(self, generator: torch.Generator | None) -> None:
+        self.score.copy_(torch.rand(self.score.shape, generator=generator))
+
+
+POOL_POLICIES: dict[str, type[KVCache]] = {AdaKVCache.name: AdaKVCache}

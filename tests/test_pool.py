@@ -1,0 +1,305 @@
+"""The pool layout (kv.pool) and Ada-KV on it: property-tested invariants (every slot owned by one head,
+the pool's occupancy, per-head floors, unique positions), Ada-KV's allocation against a transcription of
+its reference code, KVzip's joint ranking across heads, compiled == eager without recompiling over 1,000
+steps and prompts of other lengths, memory independent of the split, one-line CLI errors, eval.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from cache_testing import generate_tokens, head_positions, single_thread_fixture, tiny_args, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+
+import generate
+from cache import PROMPT_COMPRESSORS, make_cache_factory
+from generate import Decoder
+from kv import kvzip
+from kv.pool import AdaKVCache, adakv_budgets
+from model import attend
+
+_one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
+
+
+# ---- invariants ------------------------------------------------------------------------------------------
+@st.composite
+def pool_configs(draw):
+    compressor = draw(st.sampled_from(list(PROMPT_COMPRESSORS)))
+    p = {"n_sinks": draw(st.integers(0, 3)), "recent_window": draw(st.integers(1, 6)),
+         "adakv_floor": draw(st.sampled_from([0.0, 0.2, 0.5, 1.0])), "adakv_normalize": draw(st.booleans()),
+         "gqa_reduce": draw(st.sampled_from(["mean", "max"]))}
+    if "obs_window" in PROMPT_COMPRESSORS[compressor].params:
+        p["obs_window"] = draw(st.integers(1, 6))
+        p["pool_kernel"] = draw(st.sampled_from([1, 3]))
+    least = p["n_sinks"] + max(p["recent_window"], p.get("obs_window", 0)) + 1
+    prompt_len, steps = draw(st.integers(1, 40)), draw(st.integers(1, 30))
+    return {"batch": draw(st.integers(1, 2)), "n_kv": draw(st.integers(1, 3)), "g": draw(st.integers(1, 2)),
+            "prompt_len": prompt_len, "steps": steps, "compressor": compressor, "params": p,
+            "budget": draw(st.integers(least, max(least, prompt_len + steps + 4))),
+            "seed": draw(st.integers(0, 2**16))}
+
+
+def check_pool(cache: AdaKVCache, t: int) -> None:
+    """Invariants of the pool after position t was written."""
+    B, H, P = cache.batch_size, cache.n_kv_heads, cache.pool_size
+    assert cache.slot_head.shape == cache.slot_pos.shape == (B, P)
+    assert ((cache.slot_head >= 0) & (cache.slot_head < H)).all(), "a slot without exactly one owner"
+    owners = torch.nn.functional.one_hot(cache.slot_head, H).sum(1)  # [B, H]: owned, empty ones included
+    assert (owners.sum(-1) == P).all()
+    occupancy = cache.kept()  # [B, H]: valid slots per head
+    assert (occupancy.sum(-1) == min((t + 1) * H, P)).all(), "H_kv in, H_kv out once the pool is full"
+    if (t + 1) * H >= P:
+        assert (occupancy >= cache.head_floor).all(), f"below the floor {cache.head_floor}: {occupancy}"
+    for row in head_positions(cache):
+        for pos in row:
+            assert len(pos) == len(set(pos)) and all(0 <= p <= t for p in pos)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cfg=pool_configs())
+def test_pool_invariants(cfg):
+    B, S = cfg["batch"], cfg["prompt_len"]
+    args = tiny_args(n_layers=1, n_heads=cfg["n_kv"] * cfg["g"], n_kv_heads=cfg["n_kv"], head_dim=4)
+    cache = make_cache_factory("adakv", B, args, S, cfg["steps"], budget=cfg["budget"],
+                               prompt_compression=cfg["compressor"], **cfg["params"])(0)
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    H, Hkv, D = args.n_heads, args.n_kv_heads, args.head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    memo = {}
+    if getattr(cache.compressor, "needs_model_pass", False):
+        memo[cache.compressor.memo_key()] = torch.rand(B, Hkv, S, generator=gen)
+    cache.prefill(randn(B, H, S, D), randn(B, Hkv, S, D), randn(B, Hkv, S, D), memo=memo)
+    bytes_before = cache.physical_bytes()
+    check_pool(cache, S - 1)
+    for t in range(S, S + cfg["steps"]):
+        k_all, v_all, mask = cache.update(torch.tensor([t]), randn(B, Hkv, 1, D), randn(B, Hkv, 1, D))
+        assert mask.shape == (B, Hkv, 1, cache.pool_size) and mask[:, :, 0].sum(1).max() <= 1
+        _, probs = attend(randn(B, H, 1, D), k_all, v_all, mask, want_probs=True)
+        assert torch.isfinite(probs).all()  # every head holds at least its new token
+        cache.observe(probs)
+        check_pool(cache, t)
+    assert cache.physical_bytes() == bytes_before == B * cache.pool_size * 2 * D * 4
+
+
+# ---- Ada-KV's selection against its reference code ---------------------------------------------------
+def reference_budgets(scores: torch.Tensor, base: int, alpha: float, normalize: bool) -> list[list[int]]:
+    """FFY0/AdaKV AdaptiveSnapKVCluster.update_kv_gqa, transcribed one row at a time (its bsz == 1):
+    sort per head, optionally scale by the top-base share, top-(H base) over the concatenation, count per
+    head, budget = round(count (1 - alpha) + int(alpha base))."""
+    out = []
+    for row in scores:
+        H = row.shape[0]
+        ranked = [sorted(row[h].tolist(), reverse=True) for h in range(H)]
+        if normalize:
+            ranked = [[x * sum(r[:base]) / sum(r) for x in r] for r in ranked]
+        flat = sorted(((x, h) for h in range(H) for x in ranked[h]), key=lambda e: -e[0])[: H * base]
+        counts = [sum(1 for _, h in flat if h == head) for head in range(H)]
+        out.append([round(c * (1 - alpha) + int(base * alpha)) for c in counts])
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 1.0])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("seed", range(5))
+def test_budgets_follow_the_reference(alpha, normalize, seed):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, n, base = 2, 4, 30, 7
+    # heads with different concentration: exponentials scaled per head (positive, like attention)
+    scores = (torch.rand(B, H, n, generator=gen) ** (1 + 4 * torch.rand(B, H, 1, generator=gen))).double()
+    ours, _ = adakv_budgets(scores, base, alpha, normalize)
+    ref = torch.tensor(reference_budgets(scores, base, alpha, normalize))
+    assert (ours.sum(-1) == H * base).all()
+    if alpha in (0.0, 1.0):  # no rounding: the reference exactly
+        assert torch.equal(ours, ref)
+    else:
+        assert (ours - ref).abs().max() <= 1
+    assert (ours >= int(alpha * base)).all()
+
+
+def test_prefill_keeps_each_heads_top_budget_and_the_protected():
+    """The cache's kept pairs: per head the protected tokens and its top-b_h candidates, b_h from the
+    reference (floor 0: pure top-k across heads, no rounding), on the snapkv compressor's scores."""
+    args = tiny_args(n_layers=1, n_heads=6, n_kv_heads=3, head_dim=8)
+    B, S, budget = 2, 50, 12
+    cache = make_cache_factory("adakv", B, args, S, 4, budget=budget, n_sinks=1, recent_window=3,
+                               obs_window=4, pool_kernel=3, adakv_floor=0.0, adakv_normalize=True)(0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(B, 6, S, 8, generator=gen), torch.randn(B, 3, S, 8, generator=gen), None
+    memo = {}
+    cache.prefill(q, k, torch.randn(B, 3, S, 8, generator=gen), memo=memo)
+    scores = cache.compressor.cached_scores(q, k, memo, v).double()
+    protected = {0} | set(range(S - 4, S))
+    candidates = [p for p in range(S) if p not in protected]
+    base = budget - len(protected)
+    budgets = reference_budgets(scores[..., candidates], base, 0.0, True)
+    kept = head_positions(cache)
+    for b in range(B):
+        assert sum(len(h) for h in kept[b]) == 3 * budget
+        for h in range(3):
+            top = sorted(candidates, key=lambda p: -scores[b, h, p].item())[: budgets[b][h]]
+            assert set(kept[b][h]) == protected | set(top), (b, h)
+    assert len({len(h) for row in kept for h in row}) > 1, "the heads' budgets should differ"
+
+
+def test_kvzip_with_floor_zero_is_the_joint_ranking_across_heads():
+    """--cache adakv --prompt-compression kvzip --adakv-floor 0 --no-adakv-normalize: the kept (head, token)
+    pairs are the top H_kv x B' of KVzip's reconstruction scores across the layer's heads (kvpress's
+    KVzipPress ranking within a layer), plus the sinks."""
+    model = tiny_model(4)
+    S, budget = 40, 12
+    idx = torch.randint(0, 64, (2, S), generator=torch.Generator().manual_seed(2))
+    factory = make_cache_factory("adakv", 2, model.args, S, 4, budget=budget, prompt_compression="kvzip",
+                                 kvzip_chunk=16, n_sinks=2, recent_window=1, adakv_floor=0.0,
+                                 adakv_normalize=False)
+    with torch.inference_mode():
+        plain = model(idx)
+        model.setup_caches(factory)
+        logits = kvzip.prefill(model, idx)
+        kv, _ = kvzip.record_prefill(model, idx)
+        scores = kvzip.context_scores(model, idx, kv, None, chunk=16)
+    torch.testing.assert_close(logits, plain)
+    H = model.args.n_kv_heads
+    for cache, s in zip(model.caches, scores):
+        kept = head_positions(cache)
+        for b in range(2):
+            pairs = sorted(((s[b, h, p].item(), h, p) for h in range(H) for p in range(2, S)), reverse=True)
+            sinks = {(h, p) for h in range(H) for p in (0, 1)}
+            expected = {(h, p) for _, h, p in pairs[: H * (budget - 2)]} | sinks
+            assert {(h, p) for h in range(H) for p in kept[b][h]} == expected
+
+
+# ---- compiled decoding -------------------------------------------------------------------------------
+def test_compiled_equals_eager_over_1000_steps_and_other_prompt_lengths():
+    """One set of caches, budget 12 slots per head: a prompt of 20 tokens decoded 1,000 steps, then prompts
+    of 18 and 10 tokens (the last fits: no compression) 40 steps each; the compiled step compiles once."""
+    torch._dynamo.reset()
+    model = tiny_model()
+    factory = make_cache_factory("adakv", 2, model.args, 20, 1001, budget=12, n_sinks=2, recent_window=4,
+                                 obs_window=4, pool_kernel=3)
+    model.setup_caches(factory)
+    gen = torch.Generator().manual_seed(1)
+    decoder = Decoder(model, compile=True)
+    graphs = None
+    splits = set()
+
+    def warm(step, logits):
+        nonlocal graphs
+        if step == 4 and graphs is None:
+            graphs = counters["stats"]["unique_graphs"]
+
+    for length, n_new in [(20, 1001), (18, 41), (10, 41)]:
+        prompt = torch.randint(0, 64, (2, length), generator=gen)
+        eager = generate_tokens(model, prompt, n_new)
+        compiled = generate_tokens(model, prompt, n_new, decoder, on_logits=warm)
+        assert torch.equal(compiled, eager), length
+        splits |= {tuple(c.kept().flatten().tolist()) for c in model.caches}
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled"
+    assert len(splits) > 1  # the split between heads really changed
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+def test_memory_is_the_pool_whatever_the_split(kv_bits):
+    model = tiny_model(1)
+    B, budget, a = 2, 12, model.args
+    model.setup_caches(make_cache_factory("adakv", B, a, 40, 20, budget=budget, kv_bits=kv_bits, n_sinks=1,
+                                          recent_window=3, obs_window=3, pool_kernel=3, adakv_floor=0.0))
+    P = a.n_kv_heads * budget
+    per_slot = 2 * a.head_dim * 4 if kv_bits is None else 2 * (a.head_dim * kv_bits // 8 + 2 * 4)
+    seen = set()
+    for seed in range(3):
+        prompt = torch.randint(0, 64, (B, 40), generator=torch.Generator().manual_seed(seed))
+        generate_tokens(model, prompt, 10)
+        for c in model.caches:
+            assert c.physical_bytes() == B * P * per_slot
+            seen.add(tuple(c.kept().flatten().tolist()))
+    assert len(seen) > 1
+
+
+def test_budgets_move_while_decoding_and_keep_the_floor():
+    model = tiny_model(2)
+    model.setup_caches(make_cache_factory("adakv", 1, model.args, 30, 60, budget=10, n_sinks=1,
+                                          recent_window=2, obs_window=2, pool_kernel=3, adakv_floor=0.5))
+    prompt = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(0))
+    history = []
+    generate_tokens(model, prompt, 60, on_logits=lambda i, _: history.append(
+        [c.kept().flatten().tolist() for c in model.caches]))
+    floor = model.caches[0].head_floor
+    assert floor == 1 + 1 + int(0.5 * (10 - 2))
+    assert all(n >= floor for step in history for layer in step for n in layer)
+    assert len({str(step) for step in history}) > 1
+
+
+# ---- CLI and eval ------------------------------------------------------------------------------------
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--cache", "adakv", "--cache-budget", "20"],
+     ("below adakv's per-head floor 32 = n_sinks (0) + max(obs_window (32), recent_window (32)) x 2 KV heads "
+     "= 64")),
+    (["--cache", "adakv", "--cache-budget", "20", "--prompt-compression", "knorm", "--recent-window", "30"],
+     "per-head floor 30 = n_sinks (0) + recent_window (30) x 2 KV heads"),
+    (["--cache", "h2o", "--adakv-floor", "0.1"], "--adakv-floor is not used by --cache h2o"),
+    (["--cache", "snapkv", "--no-adakv-normalize"], "--adakv-normalize is not used by --cache snapkv"),
+    (["--cache", "adakv", "--adakv-floor", "1.5"], "--adakv-floor must lie in [0, 1], got 1.5"),
+])
+def test_bad_input_is_one_line(argv, expected, tiny_checkpoint, capsys):
+    code = generate.cli(["--checkpoint", str(tiny_checkpoint), "--prompt", PROMPT, "--max-new-tokens", "12",
+                         "--temperature", "0", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_cli_head_adaptive_kvzip(tiny_checkpoint, capsys):
+    code = generate.cli(["--checkpoint", str(tiny_checkpoint), "--prompt", " ".join(["hello world"] * 30),
+                         "--max-new-tokens", "8", "--temperature", "0", "--cache", "adakv",
+                         "--prompt-compression", "kvzip", "--adakv-floor", "0", "--cache-budget", "24",
+                         "--recent-window", "4", "--kvzip-chunk", "16", "--compile"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "cache: adakv + kvzip prompt compression, capacity per layer 24 slots; slots per KV head" in out
+    assert "kvzip reconstruction scoring" in out and "kept 24.0" in out
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    from test_eval import PROSE
+
+    path = tmp_path / "prose.txt"
+    path.write_text("\n\n".join(PROSE * 4))
+    return path
+
+
+def test_eval_runs_pool_policies_in_their_own_group(text_file, tmp_path):
+    from test_eval import run_eval
+    from test_eval import tiny_model as eval_model
+
+    import eval as ev_mod
+
+    flags = ["--tasks", "passkey", "fidelity", "ppl", "attention-loss", "--policies", "full", "h2o", "adakv",
+             "--lengths", "400", "--samples", "2", "--ppl-length", "256", "--ppl-samples", "2", "--ppl-every",
+             "128", "--fidelity-tokens", "8", "--n-sinks", "2", "--recent-window", "8", "--obs-window", "4",
+             "--pool-kernel", "3"]
+    args = ev_mod.parse_args(["--device", "cpu", *flags, "--budgets", "0.4"])
+    ev = ev_mod.Evaluator(eval_model(), None, args)
+    combos = ev_mod.combos_of(args)
+    assert [[c.policy for c in g] for g in ev.groups(combos, 2, 400, 64)] == [["full"], ["adakv"], ["h2o"]]
+    same = run_eval(text_file, tmp_path / "one", *flags, "--budgets", "1.0")
+    full = {(r["task"], r["index"]): r for r in same if r["policy"] == "full"}
+    for r in same:
+        if r["policy"] == "adakv" and r["task"] == "passkey":
+            assert r["prediction"] == full[(r["task"], r["index"])]["prediction"]
+        if r["policy"] == "adakv" and r["task"] == "attention-loss":
+            assert r["metrics"]["loss@256"] == pytest.approx(0, abs=1e-6)
+    records = run_eval(text_file, tmp_path / "two", *flags, "--budgets", "0.4")
+    pool = [r for r in records if r["policy"] == "adakv"]
+    assert {r["task"] for r in pool} == {"passkey", "fidelity", "ppl", "attention-loss"}
+    loss = [r["metrics"]["loss@256"] for r in pool if r["task"] == "attention-loss"]
+    assert all(0 < x <= 1 for x in loss) and all(math.isfinite(r["score"]) for r in pool)
