@@ -12,9 +12,9 @@ Details follow kvpress's KVzipPress (NVIDIA/kvpress `presses/kvzip_press.py`, th
 - a chunk's scores are a softmax over the sinks, the chunk's own span of the context and the repeat tokens
   (causal), maxed over the chunk's queries and the GQA group; with `kvzip_plus` (KVzip+) each probability is
   divided by the norm of its query row's normed hidden state and multiplied by ||W_o v|| of its key.
-Deviation: kvpress ranks all (layer, head, token) triples jointly (layer and head budgets then differ, realised
-by masking); here every layer and KV head keeps the same number of slots, which is what saves memory in a
-static cache.
+kvpress ranks all (layer, head, token) triples jointly (layer and head budgets then differ, realised by masking,
+so no memory is saved); the `kvzip` policy ranks the pairs of each layer jointly across its KV heads in a pool
+of fixed size (kv.pool: real memory, static shapes), every layer keeping the same number of slots.
 
 Unlike every other compressor the scores need the whole model (layer l's queries come from layers < l run on the
 repeat tokens), so they cannot come from one layer's prefill: `prefill(model, idx)` records each layer's (q, k,
@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from kv.policies import SnapKVCache
+from kv.pool import AdaKVCache
 from kv.prompt import PREFILL_BLOCK_ELEMENTS, PromptCompressor
 from model import KVFastError, Transformer
 
@@ -90,12 +90,16 @@ class KVzipPrompt(PromptCompressor):
         return memo[self.memo_key()]
 
 
-class KVzipCache(SnapKVCache):
-    """KVzip (Kim et al., NeurIPS 2025, arXiv:2505.23416): the prompt compressed once by reconstruction scores,
-    decoded tokens appended (like SnapKV); 4 sinks as kvpress's KVzipPress."""
+class KVzipCache(AdaKVCache):
+    """KVzip (Kim et al., NeurIPS 2025, arXiv:2505.23416): the prompt's (KV head, token) pairs ranked jointly
+    across the heads of a layer by reconstruction scores, in a pool of H_kv x budget slots (kv.pool), no floor,
+    4 sinks: kvpress's KVzipPress, which also ranks across layers (a static per-layer pool cannot). Decoding
+    as adakv (reconstruction score + attention paid since, the last 32 tokens protected). KVzip with an equal
+    budget per head: --cache snapkv --prompt-compression kvzip (append-only, uniform layout)."""
 
     name = "kvzip"
-    params: ClassVar[dict[str, Any]] = {"n_sinks": 4}
+    params: ClassVar[dict[str, Any]] = {**AdaKVCache.params, "n_sinks": 4, "adakv_floor": 0.0,
+                                        "adakv_normalize": False}
     default_prompt_compressor = "kvzip"
 
 

@@ -103,12 +103,13 @@ def test_repeat_prompt_uses_the_chat_template(tiny_checkpoint):
 
 
 def test_prefill_keeps_the_top_scored_tokens_per_head():
-    """generate.prefill with a kvzip cache: every layer and KV head keeps its sinks and top reconstruction
-    scores, and the logits are the plain prefill's."""
+    """generate.prefill with KVzip compressing for a uniform cache: every layer and KV head keeps its sinks and
+    top reconstruction scores, and the logits are the plain prefill's."""
     model = tiny_model(4)
     S, kept, new = 40, 12, 4
     idx = torch.randint(0, 64, (2, S), generator=torch.Generator().manual_seed(2))
-    factory = make_cache_factory("kvzip", 2, model.args, S, new, budget=kept + new, kvzip_chunk=16, n_sinks=2)
+    factory = make_cache_factory("snapkv", 2, model.args, S, new, prompt_compression="kvzip", budget=kept + new,
+                                 kvzip_chunk=16, n_sinks=2)
     with torch.inference_mode():
         plain = model(idx)
         model.setup_caches(factory)
@@ -125,6 +126,32 @@ def test_prefill_keeps_the_top_scored_tokens_per_head():
         assert (cache.slot_pos[..., kept:] == -1).all()
 
 
+def test_kvzip_policy_ranks_pairs_across_heads():
+    """The kvzip policy is adakv's pool with KVzip's scores, no floor, no per-head normalisation: the same pairs
+    as the joint top-k over (KV head, token) of the reconstruction scores, protected tokens aside."""
+    model = tiny_model(7)
+    S, B_head = 40, 14
+    idx = torch.randint(0, 64, (1, S), generator=torch.Generator().manual_seed(4))
+    params = {"kvzip_chunk": 16, "n_sinks": 2, "recent_window": 3}
+    with torch.inference_mode():
+        model.setup_caches(make_cache_factory("kvzip", 1, model.args, S, 4, budget=B_head, **params))
+        kvzip.prefill(model, idx)
+        ours = [sorted(zip(c.slot_head[0].tolist(), c.slot_pos[0].tolist())) for c in model.caches]
+        model.setup_caches(make_cache_factory("adakv", 1, model.args, S, 4, budget=B_head, prompt_compression="kvzip",
+                                              adakv_floor=0.0, adakv_normalize=False, **params))
+        kvzip.prefill(model, idx)
+        adakv = [sorted(zip(c.slot_head[0].tolist(), c.slot_pos[0].tolist())) for c in model.caches]
+        kv, _ = kvzip.record_prefill(model, idx)
+        scores = kvzip.context_scores(model, idx, kv, None, chunk=16)
+    assert ours == adakv
+    for layer, s in zip(ours, scores):
+        protected = {(h, p) for h in range(2) for p in [0, 1, S - 2, S - 1]}
+        rest = sorted(((h, p) for h in range(2) for p in range(S) if (h, p) not in protected),
+                      key=lambda hp: -float(s[0, hp[0], hp[1]]))[: 2 * B_head - len(protected)]
+        assert set(layer) == protected | set(rest)
+        assert len({h for h, _ in layer}) == 2 and {h: sum(x == h for x, _ in layer) for h in (0, 1)} != {0: 14, 1: 14}
+
+
 def test_eval_replay_scores_once_per_sample(monkeypatch):
     """Budgets share the memoized scores: the reconstruction runs once however many caches use it."""
     from evalcaches import MultiCache
@@ -139,7 +166,8 @@ def test_eval_replay_scores_once_per_sample(monkeypatch):
         kv, _ = kvzip.record_prefill(model, idx)
         memos = [{} for _ in model.layers]
         for budget in (10, 16):
-            factory = make_cache_factory("kvzip", 1, model.args, S, 4, budget=budget + 4, kvzip_chunk=8)
+            factory = make_cache_factory("snapkv", 1, model.args, S, 4, prompt_compression="kvzip",
+                                         budget=budget + 4, kvzip_chunk=8)
             caches = [MultiCache([factory(i), factory(i)]) for i in range(len(model.layers))]
             kvzip.score_into(model, idx, kv, caches, memos)
             for c, (q, k, v), memo in zip(caches, kv, memos):
@@ -149,14 +177,14 @@ def test_eval_replay_scores_once_per_sample(monkeypatch):
 
 def test_layer_by_layer_prefill_is_refused():
     model = tiny_model(6)
-    model.setup_caches(make_cache_factory("kvzip", 1, model.args, 30, 2, budget=12))
+    model.setup_caches(make_cache_factory("snapkv", 1, model.args, 30, 2, prompt_compression="kvzip", budget=12))
     with pytest.raises(KVFastError, match="reconstruction pass"), torch.inference_mode():
         model(torch.zeros(1, 30, dtype=torch.long))  # the model's own prefill cannot score
 
 
 def test_cli_kvzip(tiny_checkpoint, capsys):
     base = ["--checkpoint", str(tiny_checkpoint), "--max-new-tokens", "4", "--temperature", "0",
-            "--cache", "kvzip"]
+            "--cache", "kvzip", "--recent-window", "4"]
     long_prompt = " ".join(["hello world"] * 30)
     assert generate.cli([*base, "--prompt", long_prompt, "--cache-budget", "24", "--kvzip-chunk", "16"]) == 0
     out = capsys.readouterr().out
