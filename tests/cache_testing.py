@@ -107,3 +107,18 @@ def generate_tokens(model: Transformer, prompt: Tensor, n_new: int, decoder: Dec
         first = prefill(model, prompt, 0.0, None)
         rest = decoder.decode(first, prompt.shape[1], n_new - 1, on_logits=on_logits)
     return torch.cat([first, rest], dim=1)
+
+
+def kvzip_prefill(model: Transformer, factory: CacheFactory, idx: Tensor, chunk: int) -> list[Tensor]:
+    """Prefill idx through kv.kvzip into the factory's caches, check the logits are the plain prefill's, and
+    return KVzip's reference scores per layer ([B, H_kv, S]) computed afresh."""
+    from kv import kvzip
+
+    with torch.inference_mode():
+        plain = model(idx)
+        model.setup_caches(factory)
+        logits = kvzip.prefill(model, idx)
+        kv, _ = kvzip.record_prefill(model, idx)
+        scores = kvzip.context_scores(model, idx, kv, None, chunk=chunk)
+    torch.testing.assert_close(logits, plain)
+    return scores
