@@ -165,6 +165,9 @@ PARAMS: dict[str, tuple[Any, str]] = {
                                      "statistics to the current position and re-score every slot (64)")),
     "kvzip_chunk": (_whole(1), "kvzip: context tokens the model repeats per reconstruction chunk (2048)"),
     "kvzip_plus": (_bool, "kvzip: KVzip+ normalization (attention / ||hidden|| x ||W_o v||, as kvpress)"),
+    "kvzip_dtype": (_choice("float32", "bfloat16", "auto"),
+                    ("kvzip: precision of the reconstruction pass's products: float32, bfloat16, or auto (bf16 on "
+                     "a GPU or a CPU with AMX, else the model's) (float32)")),
     "adakv_floor": (_fraction, ("adakv: Ada-KV's floor_alpha, the share of the average per-head budget every "
                                 "KV head keeps (0.2; 0 = pure top-k across heads)")),
     "adakv_normalize": (_bool, ("adakv: scale each head's prompt scores by the share of its top-B' in its "
@@ -209,7 +212,7 @@ def add_param_flags(group: argparse._ArgumentGroup) -> None:
     for name, (check, text) in PARAMS.items():
         if check is _bool:
             group.add_argument(f"--{_flag(name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
-        elif name in ("pool", "gqa_reduce"):
+        elif name in ("pool", "gqa_reduce", "kvzip_dtype"):
             group.add_argument(f"--{_flag(name)}", default=None, help=text)
         else:
             group.add_argument(f"--{_flag(name)}", type=float, default=None, help=text)

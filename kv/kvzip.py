@@ -73,7 +73,7 @@ class KVzipPrompt(PromptCompressor):
     context. The scores come from a reconstruction pass of the whole model (kv.kvzip.prefill)."""
 
     name = "kvzip"
-    params: ClassVar[dict[str, Any]] = {"kvzip_chunk": 2048, "kvzip_plus": False}
+    params: ClassVar[dict[str, Any]] = {"kvzip_chunk": 2048, "kvzip_plus": False, "kvzip_dtype": "float32"}
     needs_model_pass: ClassVar[bool] = True
     repeat_prompt: RepeatPrompt | None = None  # set by bind(); without a tokenizer chunks repeat bare
 
@@ -81,7 +81,15 @@ class KVzipPrompt(PromptCompressor):
         self.repeat_prompt = RepeatPrompt.from_tokenizer(tokenizer)
 
     def memo_key(self) -> tuple:
-        return ("kvzip", self.kvzip_chunk, self.kvzip_plus)
+        return ("kvzip", self.kvzip_chunk, self.kvzip_plus, self.kvzip_dtype)
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype | None:
+        """The reconstruction's precision: kvzip_dtype, where auto = bf16 on a GPU or a CPU with AMX tiles (there
+        a bf16 product runs several times faster than fp32; the scores only rank tokens), else the model's."""
+        if self.kvzip_dtype == "auto":
+            fast = device.type == "cuda" or (device.type == "cpu" and torch.cpu._is_amx_tile_supported())
+            return torch.bfloat16 if fast else None
+        return getattr(torch, self.kvzip_dtype)
 
     def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
         if memo is None or self.memo_key() not in memo:
@@ -141,11 +149,12 @@ def attention_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> tuple
     """softmax(q k^T / sqrt(D) + bias) v [B, H_kv, r, D] and each row's log-sum-exp [B, H_kv, r] (fp32).
     q: [B, H_kv, r, D] (a GQA group's queries stacked as rows); k, v: [B, H_kv, m, D]; bias [r, m] or None.
     On CPU one fused flash-attention kernel returns both; elsewhere they are computed directly."""
-    q, k, v = q.float(), k.float(), v.float()
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                          scale=scale)
+    if q.device.type == "cpu":  # fp32 or bf16 inputs; the log-sum-exp comes back in fp32 either way
+        bias = bias if bias is None else bias.to(q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.to(q.dtype), v.to(q.dtype), 0.0,
+                                                                          False, attn_mask=bias, scale=scale)
+    q, k, v = q.float(), k.float(), v.float()
     logits = torch.matmul(q, k.transpose(-1, -2)) * scale
     logits = logits if bias is None else logits + bias
     lse = torch.logsumexp(logits, dim=-1)
@@ -184,28 +193,29 @@ def reconstruction_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k: Tensor,
     offset = -lse
     if row_scale is not None:
         offset = offset + row_scale.float().log().repeat(1, g)[:, None, :]
-    q_aug = torch.cat([qg.float() * (1.0 / math.sqrt(D)), offset.unsqueeze(-1)], dim=-1)
-    span = k_ctx[:, :, start:stop].float()
+    q_aug = torch.cat([qg * (1.0 / math.sqrt(D)), offset.unsqueeze(-1).to(qg.dtype)], dim=-1)
+    span = k_ctx[:, :, start:stop].to(qg.dtype)
     span_aug = torch.cat([span, span.new_ones(B, n_kv, c, 1)], dim=-1).transpose(-1, -2)
     best = q.new_full((B, n_kv, g, c), -math.inf, dtype=torch.float32)
     rows = max(1, PREFILL_BLOCK_ELEMENTS // (B * n_kv * c))
     for member in range(g):  # KVzip+ scales keys per query head, so each group member keeps its own max
         for r0 in range(member * n, (member + 1) * n, rows):
             r1 = min((member + 1) * n, r0 + rows)
-            exponent = torch.matmul(q_aug[:, :, r0:r1], span_aug).amax(dim=2)
+            exponent = torch.matmul(q_aug[:, :, r0:r1], span_aug).amax(dim=2).float()
             best[:, :, member] = torch.maximum(best[:, :, member], exponent)
     probs = best.exp()
     if key_scale is not None:
         probs = probs * key_scale[..., s : s + c]
-    return out.view(B, H, n, D).to(q.dtype), probs.amax(dim=2)
+    return out.reshape(B, H, n, D).to(q.dtype), probs.amax(dim=2)
 
 
 def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tensor, Tensor]],
                    repeat: RepeatPrompt | None = None, chunk: int = 2048, plus: bool = False,
-                   n_sinks: int = 4) -> list[Tensor]:
+                   n_sinks: int = 4, dtype: torch.dtype | None = None) -> list[Tensor]:
     """KVzip's scores [B, H_kv, S] per layer for the context idx [B, S] whose per-layer post-RoPE (q, k, v) are kv
     (a recorded prefill). Runs the reconstruction chunks through the model over the recorded K/V; n_sinks first
-    tokens join every chunk's softmax (kvpress's n_sink)."""
+    tokens join every chunk's softmax (kvpress's n_sink). dtype: the products' precision (None: the model's);
+    the residual stream, log-sum-exps and scores stay fp32."""
     repeat = repeat or RepeatPrompt([], [], [])
     B, S = idx.shape
     a = model.args
@@ -221,10 +231,11 @@ def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tenso
             raise KVFastError(f"kvzip: context ({S}) + a reconstruction chunk ({n}) exceed the model's maximum "
                               f"length of {model.rope_cos.shape[0]}; use a smaller --kvzip-chunk")
         cos, sin = model.rope_cos[pos], model.rope_sin[pos]
-        x = model.tok_embeddings(ids)
+        x = model.tok_embeddings(ids).float()
         for i, (layer, (_, k_ctx, v_ctx)) in enumerate(zip(model.layers, kv)):
-            h = layer.attention_norm(x)
+            h = layer.attention_norm(x).to(dtype or k_ctx.dtype)  # model.linear casts the weights to h's dtype
             q, k, v = layer.attention.project(h, cos, sin)
+            k_ctx, v_ctx = k_ctx.to(h.dtype), v_ctx.to(h.dtype)
             row_scale = key_scale = None
             if plus:
                 s = min(n_sinks, start)
@@ -237,8 +248,8 @@ def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tenso
                                                                        row_scale, key_scale)
             if i == last:
                 break  # the last layer's output feeds no score
-            x = x + layer.attention.output(out)
-            x = x + layer.feed_forward(layer.ffn_norm(x))
+            x = x + layer.attention.output(out).float()
+            x = x + layer.feed_forward(layer.ffn_norm(x).to(h.dtype)).float()
     return scores
 
 
@@ -261,7 +272,8 @@ def score_into(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tensor, T
         if comp.memo_key() in memos[0]:
             continue
         layer_scores = context_scores(model, idx, [(q[:, :, :S], k[:, :, :S], v[:, :, :S]) for q, k, v in kv],
-                                      comp.repeat_prompt, comp.kvzip_chunk, comp.kvzip_plus)
+                                      comp.repeat_prompt, comp.kvzip_chunk, comp.kvzip_plus,
+                                      dtype=comp.compute_dtype(idx.device))
         for memo, s in zip(memos, layer_scores):
             memo[comp.memo_key()] = s
     return time.perf_counter() - t0

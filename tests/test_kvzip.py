@@ -84,6 +84,32 @@ def test_scores_use_bounded_query_blocks(monkeypatch):
         torch.testing.assert_close(a, b)
 
 
+def test_bf16_reconstruction_ranks_like_fp32():
+    """--kvzip-dtype bfloat16 runs the products in bf16 (fast with AMX): the scores stay close and every head
+    keeps nearly the same half of the context."""
+    model = tiny_model(8)
+    S = 48
+    idx = torch.randint(0, 64, (2, S), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        kv, _ = kvzip.record_prefill(model, idx)
+        exact = kvzip.context_scores(model, idx, kv, REPEAT, chunk=20)
+        fast = kvzip.context_scores(model, idx, kv, REPEAT, chunk=20, dtype=torch.bfloat16)
+    for a, b in zip(exact, fast):
+        assert b.dtype == torch.float32 and (b - a).abs().max() < 0.05
+        top_a, top_b = a.topk(S // 2, dim=-1).indices, b.topk(S // 2, dim=-1).indices
+        shared = [len(set(x.tolist()) & set(y.tolist())) for x, y in zip(top_a.flatten(0, 1), top_b.flatten(0, 1))]
+        assert min(shared) >= 0.8 * S // 2
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    comp = kvzip.KVzipPrompt(kvzip_dtype="auto")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert comp.compute_dtype(torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert comp.compute_dtype(torch.device("cpu")) is None  # the model's own dtype
+    assert kvzip.KVzipPrompt().compute_dtype(torch.device("cpu")) == torch.float32
+
+
 def test_chunk_inputs_follow_kvpress():
     idx = torch.arange(100, 120).view(1, -1)
     assert REPEAT.chunk_ids(idx, 0, 8).tolist() == [[5, 6, 7, 10, 11, *range(100, 108)]]
@@ -174,9 +200,11 @@ def test_cli_kvzip(tiny_checkpoint, capsys):
     base = ["--checkpoint", str(tiny_checkpoint), "--max-new-tokens", "4", "--temperature", "0",
             "--cache", "kvzip", "--recent-window", "4"]
     long_prompt = " ".join(["hello world"] * 30)
-    assert generate.cli([*base, "--prompt", long_prompt, "--cache-budget", "24", "--kvzip-chunk", "16"]) == 0
-    out = capsys.readouterr().out
-    assert "kvzip reconstruction scoring" in out and "capacity per layer 24 slots" in out
+    for dtype in ("float32", "bfloat16"):
+        assert generate.cli([*base, "--prompt", long_prompt, "--cache-budget", "24", "--kvzip-chunk", "16",
+                             "--kvzip-dtype", dtype]) == 0
+        out = capsys.readouterr().out
+        assert "kvzip reconstruction scoring" in out and "capacity per layer 24 slots" in out
     # a prompt that fits: said, not failed
     assert generate.cli([*base, "--prompt", "hello", "--cache-budget", "0.9"]) == 0
     assert "nothing to compress" in capsys.readouterr().out
@@ -184,6 +212,7 @@ def test_cli_kvzip(tiny_checkpoint, capsys):
     for argv, message in [(["--kvzip-chunk", "0"], "--kvzip-chunk must be a whole number >= 1"),
                           (["--prompt-compression", "kvzipp"], "unknown prompt compressor 'kvzipp'"),
                           (["--compile-prefill"], "--compile-prefill cannot compile kvzip"),
+                          (["--kvzip-dtype", "fp8"], "--kvzip-dtype must be one of float32, bfloat16, auto"),
                           (["--cache", "h2o", "--kvzip-chunk", "64"], "--kvzip-chunk is not used by --cache h2o")]:
         assert generate.cli([*base, "--prompt", long_prompt, "--cache-budget", "24", *argv]) == 2, argv
         err = capsys.readouterr().err.strip()
