@@ -27,7 +27,8 @@ Use from code (generate.py, eval.py, bench.py):
 
 Per layer, a cache reports kept() (valid slots per row and KV head), tokens_seen(), physical_bytes() (its K/V
 buffers: capacity slots only) and overhead_bytes() (slot positions and the policy's statistics); all are read
-once, at the end, never per step.
+once, at the end, never per step. hybrid (kv.hybrid) also reports each KV head's class and budget:
+head_class_report(caches) / format_head_class_report, printed by generate.py and recorded by eval.py.
 
 Prefill once, many policies (eval): prefill attention never reads the cache, so keep each layer's post-RoPE
 (q, k, v) and call `cache.prefill(q, k, v, memo=memos[layer])` on every policy's caches. `memo` is a dict per
@@ -54,6 +55,7 @@ import yaml
 from kv import policies, prompt
 from kv.budgets import LAYER_SCHEDULES, layer_capacities, resolve_capacity, resolve_count
 from kv.expected import ExpectedAttentionCache, ExpectedAttentionPrompt
+from kv.hybrid import HybridCache
 from kv.kvzip import KVzipCache, KVzipPrompt
 from kv.policies import FullCache, WindowCache
 from kv.pool import POOL_POLICIES, PoolCache
@@ -63,13 +65,15 @@ from model import KVFastError, ModelArgs
 
 # every policy and prompt compressor by CLI name (kv/ modules define them; query-agnostic scorers live apart)
 POLICIES: dict[str, type[KVCache]] = {**policies.POLICIES, KVzipCache.name: KVzipCache,
-                                      ExpectedAttentionCache.name: ExpectedAttentionCache, **POOL_POLICIES}
+                                      ExpectedAttentionCache.name: ExpectedAttentionCache, **POOL_POLICIES,
+                                      HybridCache.name: HybridCache}
 PROMPT_COMPRESSORS: dict[str, type[prompt.PromptCompressor]] = {
     **prompt.PROMPT_COMPRESSORS, KVzipPrompt.name: KVzipPrompt,
     ExpectedAttentionPrompt.name: ExpectedAttentionPrompt}
 
 __all__ = ["CONFIG_DIR", "POLICIES", "PROMPT_COMPRESSORS", "CacheFactory", "KVCache", "add_cache_args",
            "cache_factory_from_args", "cache_report", "check_cache_args", "format_cache_report",
+           "format_head_class_report", "head_class_report",
            "load_preset", "make_cache_factory", "setup_decode_benchmark"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "cache_configs"
@@ -172,7 +176,17 @@ PARAMS: dict[str, tuple[Any, str]] = {
                                 "KV head keeps (0.2; 0 = pure top-k across heads)")),
     "adakv_normalize": (_bool, ("adakv: scale each head's prompt scores by the share of its top-B' in its "
                                 "total (Ada-KV's normalize) before ranking across heads (on)")),
+    "static_threshold": (_fraction, ("hybrid: a KV head is static when the share of the observation "
+                                     "window's attention on its top-(B - w) tokens before the window reaches "
+                                     "this (0.9, HybridKV's theta, when given without a value); default: "
+                                     "--static-ratio")),
+    "static_ratio": (_fraction, ("hybrid: without --static-threshold, the share of each layer's KV heads "
+                                 "classified static, the most concentrated ones (0.7)")),
+    "static_share": (_fraction, ("hybrid: the share of the layer's pool given to its static heads (default: "
+                                 "their share of the heads, i.e. B slots per head)")),
 }
+# flags that may be given without a value: the value they then take
+PARAM_CONSTS = {"static_threshold": 0.9}
 GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
            "kv_group_size")
 
@@ -214,6 +228,9 @@ def add_param_flags(group: argparse._ArgumentGroup) -> None:
             group.add_argument(f"--{_flag(name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
         elif name in ("pool", "gqa_reduce", "kvzip_dtype"):
             group.add_argument(f"--{_flag(name)}", default=None, help=text)
+        elif name in PARAM_CONSTS:
+            group.add_argument(f"--{_flag(name)}", type=float, nargs="?", const=PARAM_CONSTS[name],
+                               default=None, help=text)
         else:
             group.add_argument(f"--{_flag(name)}", type=float, default=None, help=text)
 
@@ -295,6 +312,9 @@ class CacheSpec:
                 where = "" if key in self.cli else " (set by the --cache-config preset)"
                 comp = f" / --prompt-compression {name}" if compressor else ""
                 raise KVFastError(f"--{_flag(key)}{where} is not used by --cache {self.policy}{comp}")
+        if "static_threshold" in self.params and "static_ratio" in self.params:
+            raise KVFastError("hybrid: give --static-threshold or --static-ratio, not both (the threshold "
+                              "classifies each head on its own, the ratio fixes how many are static)")
         values = {**(compressor.params if compressor else {}), **policy.params}
         values.update({k: PARAMS[k][0](k, v) for k, v in self.params.items()})
         if self.budget is not None:
@@ -480,7 +500,9 @@ class CacheFactory:
     def describe(self) -> str:
         caps = sorted(set(self.capacities))
         cap = str(caps[0]) if len(caps) == 1 else f"{caps[0]}..{caps[-1]} ({self.layer_budget})"
-        params = ", ".join(f"{_flag(k)} {v}" for k, v in sorted(self.layer_values[0].items()))
+        # a None default means "not set" (hybrid's static_threshold / static_share): left out
+        params = ", ".join(f"{_flag(k)} {v}" for k, v in sorted(self.layer_values[0].items())
+                           if v is not None)
         comp = f" + {self.prompt_compression} prompt compression" if self.prompt_compression else ""
         quant = (f"; K/V stored as {self.kv_bits}-bit codes, fp32 scale + zero point per {self.kv_group_size} "
                  "channels" if self.kv_bits else "")
@@ -513,6 +535,40 @@ def format_cache_report(r: dict[str, Any]) -> list[str]:
             f"{r['full_kv_bytes'] / 1e6:.2f} MB; compression ratio {r['compression_ratio']:.2f}x); "
             f"positions + policy statistics {r['overhead_bytes'] / 1e6:.2f} MB")
     return [seen, size]
+
+
+def head_class_report(caches: list[KVCache]) -> list[dict[str, Any]] | None:
+    """hybrid's classification per layer, per row (None for other policies): static / dynamic KV heads, the
+    slots each type holds, and the heads' classes as a string ("S" static, "D" dynamic), read once at the
+    end."""
+    if not caches or not all(isinstance(c, HybridCache) for c in caches):
+        return None
+    out = []
+    for c in caches:
+        r = c.head_classes()
+        static, budget = r["static"], r["budget"]
+        out.append({"static": static.sum(-1).tolist(), "dynamic": (~static).sum(-1).tolist(),
+                    "static_slots": (budget * static).sum(-1).tolist(),
+                    "dynamic_slots": (budget * ~static).sum(-1).tolist(),
+                    "heads": ["".join("S" if s else "D" for s in row) for row in static.tolist()]})
+    return out
+
+
+def format_head_class_report(report: list[dict[str, Any]] | None) -> list[str]:
+    """One line per layer: static / dynamic KV heads and slots per head of each type (means over rows), and
+    each row's classes by head."""
+    if report is None:
+        return []
+    lines = []
+    for i, layer in enumerate(report):
+        parts = []
+        for kind in ("static", "dynamic"):
+            heads, slots = sum(layer[kind]), sum(layer[f"{kind}_slots"])
+            each = f"{slots / heads:.1f} slots each" if heads else "no slots"
+            parts.append(f"{heads / len(layer[kind]):g} {kind} ({each})")
+        rows = " ".join(layer["heads"])
+        lines.append(f"hybrid layer {i}: KV heads {', '.join(parts)}; by row and head: {rows}")
+    return lines
 
 
 def setup_decode_benchmark(model: torch.nn.Module, policy: str, context_len: int, max_new_tokens: int = 1,

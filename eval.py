@@ -274,6 +274,7 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
                         ev.restore(caches, state)
                     fid = ev.follow(first, pos, *ref)
             elapsed = (time.perf_counter() - t0) / (B * G)
+            classes = kvcache.head_class_report(caches)
             for j, combo in enumerate(group):
                 cap = sorted({c.members[j].capacity if isinstance(c, MultiCache) else c.capacity for c in caches})
                 base = {"length": L, "policy": combo.policy, "budget": combo.budget, "mode": mode,
@@ -288,12 +289,23 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
                         pred = ev.tok.decode(truncate_at_stop(ids, ev.stop_ids) if ev.stop_ids else ids)
                         add_record(store, bar, {**base, "task": src, "index": p.index, "prediction": pred,
                                                 "answers": p.answers, "score": tasks.score(src, pred, p.answers),
-                                                "meta": p.meta}, combo)
+                                                "meta": p.meta, **head_fields(classes, r)}, combo)
                     if "fidelity" in todo.get((combo, mode), ()):
                         m = {k: float(v[r]) for k, v in fid.items()}
                         add_record(store, bar, {**base, "task": "fidelity", "index": p.index, "score": m["top1"],
-                                                "metrics": m, "meta": p.meta}, combo)
+                                                "metrics": m, "meta": p.meta, **head_fields(classes, r)},
+                                   combo)
             store.save()
+
+
+def head_fields(report: list[dict[str, Any]] | None, row: int) -> dict[str, Any]:
+    """hybrid's head classes of one batch row (cache.head_class_report), per layer: "head_classes" ("S"
+    static, "D" dynamic, by KV head) and the slots of each type; no fields for other policies."""
+    if report is None:
+        return {}
+    return {"head_classes": [layer["heads"][row] for layer in report],
+            "static_slots": [layer["static_slots"][row] for layer in report],
+            "dynamic_slots": [layer["dynamic_slots"][row] for layer in report]}
 
 
 def add_record(store: Store, bar: Any, record: dict, combo: Combo) -> None:
@@ -360,6 +372,7 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
             t0 = time.perf_counter()
             members = [ev.caches(c, B, T, 0) for c in group]
             P = prefix_len(args, group[0], T)
+            classes = None
             if P >= T or (group[0].is_full and not args.ppl_decode_all):
                 nll, P = full_nll.repeat(G, 1), T  # no eviction can happen: the decode path would give the same
             else:
@@ -368,13 +381,15 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
                 ev.install(caches)
                 ev.fill(caches, kv, P, memo, ids)
                 nll = torch.cat([full_nll[:, :P].repeat(G, 1), ev.decode_nll(ids.repeat(G, 1), P)], 1)
+                classes = kvcache.head_class_report(caches)
             elapsed = (time.perf_counter() - t0) / (B * G)
             for j, combo in enumerate(group):
                 rows = range(j * B, (j + 1) * B)
                 metrics = [{f"ppl@{p}": math.exp(float(nll[r, : p - 1].mean())) for p in ps}
                            | {f"nll@{p}": float(nll[r, : p - 1].mean()) for p in ps} for r in rows]
                 cap = sorted({c.capacity for c in members[j]})
-                add("ppl", combo, metrics, elapsed, cap[0] if len(cap) == 1 else cap, [{"prefilled": P}] * B)
+                extra = [{"prefilled": P, **head_fields(classes, j * B + r)} for r in range(B)]
+                add("ppl", combo, metrics, elapsed, cap[0] if len(cap) == 1 else cap, extra)
 
     if "attention-loss" in wanted:
         followers = [c for c in combos if ("attention-loss", c) in todo]
@@ -396,12 +411,13 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
             elapsed = (time.perf_counter() - t0) / B / len(group)
             bins = max(1, T // 64)
             for j, combo in enumerate(group):
+                classes = kvcache.head_class_report(inner[j])
                 lj = loss[:, j]  # [layers, B, T]; positions < P never evict (0), T - 1 is never a query
                 mean = lj.mean(0)
                 metrics = [{f"loss@{p}": float(mean[r, 1 : min(p, T - 1)].mean()) for p in ps} for r in range(B)]
                 extra = [{"per_layer": [round(float(x), 5) for x in lj[:, r, 1 : T - 1].mean(-1)],
                           "curve": [round(float(x), 5) for x in mean[r, : T // bins * bins].view(-1, bins).mean(-1)],
-                          "prefilled": P} for r in range(B)]
+                          "prefilled": P, **head_fields(classes, r)} for r in range(B)]
                 cap = sorted({c.capacity for c in inner[j]})
                 add("attention-loss", combo, metrics, elapsed, cap[0] if len(cap) == 1 else cap, extra)
 
