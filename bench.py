@@ -200,7 +200,10 @@ def bench_prefill(model: Transformer, checkpoint: Path, args: argparse.Namespace
     from tokenizer import load_tokenizer
 
     tok = load_tokenizer(checkpoint if checkpoint.is_dir() else checkpoint.parent)
-    names = args.compressors
+    # one column per compressor; kvzip once per --kvzip-dtypes value (its reconstruction's precision)
+    columns = [(n, {"kvzip_dtype": d}) if n == "kvzip" else (n, {}) for n in args.compressors
+               for d in (args.kvzip_dtypes if n == "kvzip" else [None])]
+    names = [n if not extra else f"{n} ({extra['kvzip_dtype']})" for n, extra in columns]
     print(f"\nprefill vs prompt compression (s, median of {args.repeats}); ratio = (prefill + compression) / "
           "prefill; fp32\n")
     print("| tokens | prefill | " + " | ".join(f"{n}: s (ratio)" for n in names) + " |")
@@ -212,10 +215,9 @@ def bench_prefill(model: Transformer, checkpoint: Path, args: argparse.Namespace
             t_prefill = median_time(partial(kvzip.record_prefill, model, idx), args.repeats)
             kv, _ = kvzip.record_prefill(model, idx)
             row = {"prefill_s": t_prefill}
-            for name in names:
-                policy = "kvzip" if name == "kvzip" else "snapkv"
-                factory = kvcache.make_cache_factory(policy, 1, model.args, n, 1, prompt_compression=name,
-                                                     budget=n // 4 + 1, tokenizer=tok)
+            for name, (compressor, extra) in zip(names, columns):
+                factory = kvcache.make_cache_factory("snapkv", 1, model.args, n, 1, prompt_compression=compressor,
+                                                     budget=n // 4 + 1, tokenizer=tok, **extra)
                 caches = [factory(i) for i in range(model.args.n_layers)]
                 row[name] = median_time(partial(compress_prompt, model, idx, kv, caches), args.repeats)
         results[n] = row
@@ -331,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
                    default="engine", help="which tables")
     p.add_argument("--compressors", nargs="+", default=["snapkv", "h2o", "expected_attention", "kvzip"],
                    help="prefill table: prompt compressors")
+    p.add_argument("--kvzip-dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16", "auto"],
+                   help="prefill table: precisions of kvzip's reconstruction pass, a column each")
     p.add_argument("--prompt-len", type=int, default=512, help="engine table: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="engine table: tokens decoded")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
