@@ -17,7 +17,7 @@ checkpoints/SmolLM2-135M-Instruct/config.json: | $(STAMP)
 
 demo: $(STAMP) checkpoints/SmolLM2-135M-Instruct/config.json
 	$(PY) generate.py --chat --prompt "What is the capital of France? Answer in one sentence." \
-		--max-new-tokens 64 --temperature 0 --compile
+		--max-new-tokens 64 --temperature 0 --compile --compile-cache checkpoints/compile-cache.bin
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -61,18 +61,32 @@ def refresh_caches(model: Transformer) -> None:
         c.refresh()
 
 
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
+WARMUP_STEPS = 3  # reduce-overhead: CUDA graph trees run a step eagerly, record it, then replay it
+
+
+def default_compile_mode(device: str) -> str:
+    """CUDA graphs remove the per-kernel launch cost that dominates a small model's step on a GPU."""
+    return "reduce-overhead" if device.startswith("cuda") else "default"
+
+
 class Decoder:
     """Holds the (optionally compiled) step functions so they compile once and are reused across samples."""
 
-    def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False):
+    def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False,
+                 mode: str | None = None):
         self.model = model
         self.step = decode_one_token
         self.refresh = refresh_caches
         self.prefill = prefill
+        self.mode = None
         if compile:
-            mode = "reduce-overhead" if next(model.parameters()).is_cuda else None
-            self.step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
-            self.refresh = torch.compile(refresh_caches, fullgraph=True)
+            self.mode = mode or default_compile_mode(str(next(model.parameters()).device))
+            if self.mode not in COMPILE_MODES:
+                choices = ", ".join(COMPILE_MODES)
+                raise KVFastError(f"unknown compile mode {self.mode!r} (choose from {choices})")
+            self.step = torch.compile(decode_one_token, mode=self.mode, fullgraph=True)
+            self.refresh = torch.compile(refresh_caches, mode=self.mode, fullgraph=True)
         if compile_prefill:
             if kvzip.needs_context_pass(model):
                 raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
@@ -80,6 +94,36 @@ class Decoder:
 
     def refresh_interval(self) -> int | None:
         return getattr(self.model.caches[0], "refresh_interval", None)
+
+    def warm_up(self, idx: Tensor, temperature: float = 0.0, top_k: int | None = None,
+                steps: int = WARMUP_STEPS) -> tuple[int, int]:
+        """Call every compiled function `steps` times on throwaway cache state, with the shapes, dtypes and
+        Python arguments of a real sample from prompt idx [B, S], so that the sample then compiles nothing;
+        the caches are reset afterwards. The refresh runs before each step instead of every
+        refresh_interval steps: compiling it must not wait for the interval. The global RNG is restored, so
+        a seeded sample does not depend on the warm-up. Returns (decode steps, refreshes) run: a constant,
+        whatever the sample's length."""
+        model, S = self.model, idx.shape[1]
+        refreshes = steps if self.refresh_interval() else 0
+        devices = [idx.device] if idx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+            for c in model.caches:
+                c.reset()
+            if self.prefill is not prefill:  # compiled: same prompt, same shapes as the sample's prefill
+                x = self.prefill(model, idx, temperature, top_k)
+            else:  # decoding into empty caches is enough to compile the step; no prefill cost (kvzip's)
+                # the strides of the token sample() returns: dynamo guards on strides, even of size-1 dims
+                x = idx[:, -1:].clone(memory_format=torch.contiguous_format)
+            input_pos = torch.tensor([S], dtype=torch.long, device=idx.device)
+            for _ in range(steps):
+                if refreshes:
+                    self.refresh(model)
+                x, _ = self.step(model, x, input_pos, temperature, top_k)
+                x = x.clone()  # as in decode(): a CUDA graph replay overwrites its outputs
+                input_pos = input_pos + 1
+            for c in model.caches:
+                c.reset()
+        return steps, refreshes
 
     def decode(self, x: Tensor, start_pos: int, n: int, temperature: float = 0.0, top_k: int | None = None,
                stop_ids: set[int] | None = None, forced: Tensor | None = None,
@@ -141,6 +185,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="random seed")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph)")
     p.add_argument("--compile-prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
+                   help="torch.compile mode of the decode step and the refresh (default: reduce-overhead, "
+                        "i.e. CUDA graphs, on CUDA; default on CPU, where reduce-overhead is an error)")
+    p.add_argument("--compile-cache", type=Path, default=None, metavar="FILE",
+                   help="load compiled code from FILE before compiling, save it there after the warm-up: a "
+                        "fresh checkout starts warm; a file from another torch version or device kind, or a "
+                        "corrupt one, is a warning and a normal compile")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32 on CPU, which has no fast bf16 here; bfloat16 on GPU)")
@@ -155,6 +206,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--top-k must be > 0")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
+    if args.compile_mode and not args.compile:
+        p.error("--compile-mode needs --compile")
+    if args.compile_mode == "reduce-overhead" and not args.device.startswith("cuda"):
+        p.error("--compile-mode reduce-overhead needs CUDA (it is CUDA graphs); on CPU use default or "
+                "max-autotune-no-cudagraphs")
+    if args.compile_cache and not (args.compile or args.compile_prefill):
+        p.error("--compile-cache needs --compile or --compile-prefill")
     return args
 
 
@@ -213,12 +271,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvzip: the prompt ({len(ids)} tokens) fits the cache ({min(make_cache.prompt_capacities)} prompt "
               "slots per layer): nothing to compress, no reconstruction pass")
     model.setup_caches(make_cache)
-    decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill)
+    decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill,
+                      mode=args.compile_mode)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
     weight_bytes = model.weight_bytes()
+    compiled = args.compile or args.compile_prefill
+    if compiled:
+        warm_up(decoder, idx, args)
 
     timings = []
-    for i in range(-1 if args.compile else 0, args.num_samples):
+    for i in range(args.num_samples):
+        graphs_before = _graphs()
         for c in model.caches:
             c.reset()
         t0 = time.perf_counter()
@@ -229,9 +292,9 @@ def main(argv: list[str] | None = None) -> None:
         _sync(args.device)
         elapsed = time.perf_counter() - t0
         tokens = torch.cat([first, new], dim=1)
-        if i < 0:
-            print(f"compile time (warm-up sample): {elapsed:.2f} s")
-            continue
+        if compiled and _graphs() > graphs_before:  # the warm-up missed a function or a guard failed
+            print(f"warning: sample {i} compiled {_graphs() - graphs_before} new graphs; its figures include "
+                  "compile time", file=sys.stderr)
         n_new = tokens.shape[1]
         timings.append((t_prefill, (n_new - 1) / max(elapsed - t_prefill, 1e-9), n_new))
         for row in range(args.batch_size):
@@ -250,16 +313,42 @@ def main(argv: list[str] | None = None) -> None:
     print(f"decode: {tok_s:.2f} tok/s per row, {tok_s * args.batch_size:.2f} tok/s total")
     print(f"bandwidth achieved: {weight_bytes * tok_s / 1e9:.2f} GB/s (weights {weight_bytes / 1e6:.1f} MB per step)")
     print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB")
+    if compiled:
+        print(f"compile mode: {decoder.mode or 'eager decode'}"
+              + (", prefill compiled (dynamic shapes)" if args.compile_prefill else ""))
     print_cache_stats(model, make_cache)
 
 
+def warm_up(decoder: Decoder, idx: Tensor, args: argparse.Namespace) -> None:
+    """Compile every function once (a few throwaway steps, not a whole sample) and print how long it took;
+    with --compile-cache, load the cache before and save it after."""
+    from compilecache import CompileCache
+
+    graphs, t0 = _graphs(), time.perf_counter()  # loading the cache counts: it replaces compiling
+    cache = CompileCache(args.compile_cache, args.device) if args.compile_cache else None
+    if cache:
+        cache.load()
+    steps, refreshes = decoder.warm_up(idx, args.temperature, args.top_k)
+    _sync(args.device)
+    elapsed = time.perf_counter() - t0
+    if cache:
+        cache.save()
+    warm = f"{steps} decode steps" + (f", {refreshes} refreshes" if refreshes else "")
+    print(f"compile time: {elapsed:.2f} s ({_graphs() - graphs} graphs; warm-up: {warm})")
+    if cache:
+        print(cache.report())
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def print_cache_stats(model: Transformer, factory: kvcache.CacheFactory) -> None:
-    """Policy, capacities, tokens seen / kept / evicted, KV bytes vs the full cache's, hybrid's head classes
-    (read once, at the end)."""
+    """Policy, capacities, tokens seen / kept / evicted, KV bytes vs the full cache's (read once, at the end)."""
     print(factory.describe())
     for line in kvcache.format_cache_report(kvcache.cache_report(model.caches)):
-        print(line)
-    for line in kvcache.format_head_class_report(kvcache.head_class_report(model.caches)):
         print(line)
 
 

@@ -1,0 +1,178 @@
+"""Compilation: the warm-up compiles every function once in a few steps, whatever the sample's length, and
+the measured sample compiles nothing; --compile-cache round-trips and never breaks a run; --compile-mode."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from cache_testing import generate_tokens, single_thread_fixture, small_factory, tiny_model
+from torch._dynamo.utils import counters
+
+import compilecache
+import generate
+
+_one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
+
+PROMPT_LEN, N_NEW = 24, 48  # positions 24..71: expected_attention's refresh (every 64) runs once, at 64
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # each test compiles the step afresh (new model, new cache buffers)
+    yield
+    torch._dynamo.reset()
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("policy, override", [
+    ("full", {}), ("h2o", {}), ("scissorhands", {}),  # scissorhands: refresh every drop_interval = 4 steps
+    ("expected_attention", {"refresh_interval": 64}),  # its default interval: the warm-up must not wait for it
+])
+def test_warm_up_compiles_everything_and_the_sample_nothing(policy, override):
+    model = tiny_model()
+    prompt = torch.randint(0, 64, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    model.setup_caches(small_factory(policy, 2, model.args, PROMPT_LEN, N_NEW, **override))
+    eager = generate_tokens(model, prompt, N_NEW)
+    decoder = generate.Decoder(model, compile=True)
+    has_refresh = decoder.refresh_interval() is not None
+    before = graphs()
+    steps, refreshes = decoder.warm_up(prompt)
+    assert (steps, refreshes) == (generate.WARMUP_STEPS, generate.WARMUP_STEPS if has_refresh else 0)
+    assert graphs() - before == 1 + has_refresh  # the step, and the refresh where the policy has one
+    warm, recompiles = graphs(), sum(counters["recompiles"].values())
+    compiled = generate_tokens(model, prompt, N_NEW, decoder)
+    assert graphs() == warm and sum(counters["recompiles"].values()) == recompiles, "the sample compiled"
+    assert torch.equal(compiled, eager)  # the warm-up's throwaway state did not leak into the sample
+    assert len(set(eager[0].tolist())) > 5
+
+
+# ---- the CLI --------------------------------------------------------------------------------------------
+def run_cli(capsys, checkpoint: Path, *argv: str) -> tuple[int, str, str]:
+    code = generate.cli(["--checkpoint", str(checkpoint), "--prompt", "Hello there", "--temperature", "0",
+                         "--ignore-eos", *argv])
+    out, err = capsys.readouterr()
+    torch._dynamo.reset()  # the next run builds a new model: compile it afresh, as a new process would
+    return code, out, err
+
+
+def generated_text(out: str) -> str:
+    before_separator = out.split("-" * 40)[0].splitlines()
+    return "\n".join(line for line in before_separator if not line.startswith("compile "))
+
+
+def test_warm_up_steps_do_not_grow_with_max_new_tokens(tiny_checkpoint, capsys):
+    """expected_attention refreshes every 64 steps: 80 new tokens reach a refresh the warm-up compiled."""
+    lines = []
+    for n in (8, 80):
+        code, out, err = run_cli(capsys, tiny_checkpoint, "--compile", "--max-new-tokens", str(n),
+                                 "--cache", "expected_attention", "--cache-budget", "16")
+        assert code == 0 and "warning" not in err, err
+        lines.append(re.search(r"compile time: [\d.]+ s \((\d+) graphs; (warm-up: .*)\)", out).groups())
+        assert "compile mode: default" in out
+    n = generate.WARMUP_STEPS
+    assert lines[0] == lines[1] == ("2", f"warm-up: {n} decode steps, {n} refreshes")
+
+
+def test_compile_cache_round_trip(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """The first run saves what it compiled or found in the local Inductor cache (hits are saved too); the
+    second runs against an empty local cache, as on a fresh machine: it loads the file, hits the loaded
+    graphs and generates the same tokens."""
+    cache_file = tmp_path / "cc.bin"
+    argv = ("--compile", "--max-new-tokens", "6", "--compile-cache", str(cache_file))
+    code, first, err = run_cli(capsys, tiny_checkpoint, *argv)
+    assert code == 0 and not err, err
+    assert cache_file.read_bytes().startswith(compilecache.MAGIC)
+    assert re.search(r"compile cache: .*cold \(nothing loaded\), \d+ artifacts saved", first)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty-inductor-cache"))
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    code, second, err = run_cli(capsys, tiny_checkpoint, *argv)
+    assert code == 0 and not err, err
+    loaded = r"[1-9]\d* artifacts and [1-9]\d* C\+\+ kernels loaded \([1-9]\d* installed\)"
+    assert re.search(rf"compile cache: .*: {loaded}, 1 Inductor graphs found", second)
+    assert counters["inductor"]["fxgraph_cache_hit"] > hits
+    assert generated_text(second) == generated_text(first)
+
+
+def valid_header(payload: bytes, **change) -> bytes:
+    import hashlib
+
+    header = {**compilecache.environment("cpu"), "sha256": hashlib.sha256(payload).hexdigest(),
+              "size": len(payload), **change}
+    return compilecache.MAGIC + json.dumps(header).encode() + b"\n" + payload
+
+
+def test_kernels_install_only_inside_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    kernels = [("ab/cabkey.main.so", b"lib"), ("../escape.so", b"x"), ("/abs/x.so", b"x"), ("ab/notes.txt", b"x"),
+               ("ab/c/deep.so", b"x")]
+    assert compilecache.install_kernels(kernels) == 1
+    assert (tmp_path / "inductor" / "ab" / "cabkey.main.so").read_bytes() == b"lib"
+    assert not (tmp_path / "escape.so").exists()
+    assert compilecache.install_kernels(kernels) == 0  # present: left alone
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("other_torch", "was made for torch '1.0.0'"),
+    ("other_device", "was made for device"),
+    ("checksum", "is corrupt (checksum mismatch)"),
+    ("truncated", "is corrupt"),
+    ("garbage", "is not a kvfast compile cache"),
+    ("bad_payload", "artifacts cannot be read"),
+])
+def test_bad_compile_cache_is_one_warning_and_a_normal_run(case, expected, tiny_checkpoint, tmp_path, capsys):
+    cache_file = tmp_path / "cc.bin"
+    payload = b"\x00" * 8 + b"not torch artifacts"
+    cache_file.write_bytes({
+        "other_torch": valid_header(payload, torch="1.0.0"),
+        "other_device": valid_header(payload, device="cpu elsewhere"),
+        "checksum": valid_header(payload)[:-3] + b"xyz",
+        "truncated": valid_header(payload)[:-5],
+        "garbage": b"\x89garbage\n" * 50,
+        "bad_payload": valid_header(payload),
+    }[case])
+    code, out, err = run_cli(capsys, tiny_checkpoint, "--compile", "--max-new-tokens", "4",
+                             "--compile-cache", str(cache_file))
+    assert code == 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: compile cache") and expected in lines[0], err
+    assert "decode:" in out
+    fixed = compilecache.CompileCache(cache_file, "cpu")
+    fixed.load()  # rewritten with this run's artifacts: valid now
+    assert fixed.n_loaded > 0 and not capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--compile", "--compile-mode", "fast"], "argument --compile-mode: invalid choice: 'fast'"),
+    (["--compile-mode", "default"], "--compile-mode needs --compile"),
+    (["--compile", "--compile-mode", "reduce-overhead", "--device", "cpu"], "reduce-overhead needs CUDA"),
+    (["--compile-cache", "x.bin"], "--compile-cache needs --compile or --compile-prefill"),
+])
+def test_compile_flag_errors_are_one_line(argv, expected, capsys):
+    assert generate.cli(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def test_compile_mode_reaches_the_step_and_the_refresh(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn.__name__, kw.get("mode"))) or fn)
+    model = tiny_model()
+    decoder = generate.Decoder(model, compile=True, mode="max-autotune-no-cudagraphs")
+    assert seen == [("decode_one_token", "max-autotune-no-cudagraphs"),
+                    ("refresh_caches", "max-autotune-no-cudagraphs")]
+    assert decoder.mode == "max-autotune-no-cudagraphs"
+    assert generate.Decoder(model, compile=True).mode == "default"  # CPU; reduce-overhead on CUDA
+
+
+def test_new_flags_have_help(capsys):
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "--compile-mode {default,max-autotune-no-cudagraphs,reduce-overhead} torch.compile mode" in out
+    assert "--compile-cache FILE load compiled code from FILE" in out
