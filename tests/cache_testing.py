@@ -122,3 +122,31 @@ def kvzip_prefill(model: Transformer, factory: CacheFactory, idx: Tensor, chunk:
         scores = kvzip.context_scores(model, idx, kv, None, chunk=chunk)
     torch.testing.assert_close(logits, plain)
     return scores
+
+
+def kept_counts_over_prompts(policy: str, **params) -> set[tuple[int, ...]]:
+    """One set of caches (2 rows, prompt 20, 1,001 new tokens) reused for prompts of 20, 18 and 10 tokens
+    decoded 1,000 / 40 / 40 steps: compiled == eager every time and the compiled step never recompiles.
+    Returns the valid slots per (row, KV head) seen after each prompt (per-head budgets move between them)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = tiny_model()
+    model.setup_caches(make_cache_factory(policy, 2, model.args, 20, 1001, **params))
+    gen = torch.Generator().manual_seed(1)
+    decoder = Decoder(model, compile=True)
+    graphs = None
+
+    def warm(step: int, logits: Tensor) -> None:
+        nonlocal graphs
+        if step == 4 and graphs is None:
+            graphs = counters["stats"]["unique_graphs"]
+
+    kept = set()
+    for length, n_new in [(20, 1001), (18, 41), (10, 41)]:
+        prompt = torch.randint(0, 64, (2, length), generator=gen)
+        eager = generate_tokens(model, prompt, n_new)
+        assert torch.equal(generate_tokens(model, prompt, n_new, decoder, on_logits=warm), eager), length
+        kept |= {tuple(c.kept().flatten().tolist()) for c in model.caches}
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled"
+    return kept

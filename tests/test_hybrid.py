@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_testing import generate_tokens, head_positions, single_thread_fixture, tiny_args, tiny_model
-from torch._dynamo.utils import counters
+from cache_testing import (
+    head_positions,
+    kept_counts_over_prompts,
+    single_thread_fixture,
+    tiny_args,
+)
 
 import generate
 from cache import format_head_class_report, head_class_report, make_cache_factory
-from generate import Decoder
 from kv.hybrid import HybridCache, classify_heads, hybrid_budgets
 from model import attend
 
@@ -204,30 +207,9 @@ def test_rows_classify_independently():
 def test_compiled_equals_eager_over_1000_steps_and_other_prompt_lengths():
     """One set of caches, budget 12 slots per head, static share 0.3: a prompt of 20 tokens decoded 1,000
     steps, then prompts of 18 and 10 tokens (the last fits: the even split) 40 steps each; compiles once."""
-    torch._dynamo.reset()
-    model = tiny_model()
-    factory = make_cache_factory("hybrid", 2, model.args, 20, 1001, budget=12, n_sinks=2, recent_window=4,
-                                 obs_window=4, pool_kernel=3, static_share=0.3)
-    model.setup_caches(factory)
-    gen = torch.Generator().manual_seed(1)
-    decoder = Decoder(model, compile=True)
-    graphs = None
-    budgets = set()
-
-    def warm(step, logits):
-        nonlocal graphs
-        if step == 4 and graphs is None:
-            graphs = counters["stats"]["unique_graphs"]
-
-    for length, n_new in [(20, 1001), (18, 41), (10, 41)]:
-        prompt = torch.randint(0, 64, (2, length), generator=gen)
-        eager = generate_tokens(model, prompt, n_new)
-        compiled = generate_tokens(model, prompt, n_new, decoder, on_logits=warm)
-        assert torch.equal(compiled, eager), length
-        budgets |= {tuple(c.kept().flatten().tolist()) for c in model.caches}
-    assert counters["stats"]["unique_graphs"] == graphs, "recompiled"
+    budgets = kept_counts_over_prompts("hybrid", budget=12, n_sinks=2, recent_window=4, obs_window=4,
+                                       pool_kernel=3, static_share=0.3)
     assert {(7, 17), (17, 7)} & {b[:2] for b in budgets} and (12, 12, 12, 12) in budgets
-
 
 # ---- CLI, report and eval ------------------------------------------------------------------------------
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4

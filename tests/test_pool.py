@@ -13,6 +13,7 @@ import torch
 from cache_testing import (
     generate_tokens,
     head_positions,
+    kept_counts_over_prompts,
     kvzip_prefill,
     single_thread_fixture,
     tiny_args,
@@ -20,11 +21,9 @@ from cache_testing import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch._dynamo.utils import counters
 
 import generate
 from cache import PROMPT_COMPRESSORS, make_cache_factory
-from generate import Decoder
 from kv.pool import AdaKVCache, adakv_budgets
 from model import attend
 
@@ -179,28 +178,8 @@ def test_kvzip_with_floor_zero_is_the_joint_ranking_across_heads():
 def test_compiled_equals_eager_over_1000_steps_and_other_prompt_lengths():
     """One set of caches, budget 12 slots per head: a prompt of 20 tokens decoded 1,000 steps, then prompts
     of 18 and 10 tokens (the last fits: no compression) 40 steps each; the compiled step compiles once."""
-    torch._dynamo.reset()
-    model = tiny_model()
-    factory = make_cache_factory("adakv", 2, model.args, 20, 1001, budget=12, n_sinks=2, recent_window=4,
-                                 obs_window=4, pool_kernel=3)
-    model.setup_caches(factory)
-    gen = torch.Generator().manual_seed(1)
-    decoder = Decoder(model, compile=True)
-    graphs = None
-    splits = set()
-
-    def warm(step, logits):
-        nonlocal graphs
-        if step == 4 and graphs is None:
-            graphs = counters["stats"]["unique_graphs"]
-
-    for length, n_new in [(20, 1001), (18, 41), (10, 41)]:
-        prompt = torch.randint(0, 64, (2, length), generator=gen)
-        eager = generate_tokens(model, prompt, n_new)
-        compiled = generate_tokens(model, prompt, n_new, decoder, on_logits=warm)
-        assert torch.equal(compiled, eager), length
-        splits |= {tuple(c.kept().flatten().tolist()) for c in model.caches}
-    assert counters["stats"]["unique_graphs"] == graphs, "recompiled"
+    splits = kept_counts_over_prompts("adakv", budget=12, n_sinks=2, recent_window=4, obs_window=4,
+                                      pool_kernel=3)
     assert len(splits) > 1  # the split between heads really changed
 
 
