@@ -160,6 +160,7 @@ PARAMS: dict[str, tuple[Any, str]] = {
     "pool_kernel": (_odd, "snapkv/pyramidkv: 1-D pooling kernel over the votes (7)"),
     "pool": (_choice("max", "avg"), "snapkv/pyramidkv: pooling, max or avg (max)"),
     "gqa_reduce": (_choice("mean", "max"), "reduce the scores of a KV head's query heads: mean|max (mean)"),
+    "ema_beta": (_fraction, "ema: utility u <- beta u + (1 - beta) x attention of the new query (0.9)"),
     "h2o_normalize": (_bool, "h2o: divide accumulated attention by the number of queries that saw the token"),
     "n_future_positions": (_whole(1), ("expected_attention: the next query positions over which the RoPE "
                                        "rotation of the query statistics is averaged (512)")),
