@@ -61,6 +61,7 @@ from kv.policies import FullCache, WindowCache
 from kv.pool import POOL_POLICIES, PoolCache
 from kv.quant import KV_BITS
 from kv.slots import KVCache
+from kv.tiers import TIER_FLAGS, add_tier_args, check_tiers_for, resolve_tiers, tiered
 from model import KVFastError, ModelArgs
 
 # every policy and prompt compressor by CLI name (kv/ modules define them; query-agnostic scorers live apart)
@@ -189,7 +190,7 @@ PARAMS: dict[str, tuple[Any, str]] = {
 # flags that may be given without a value: the value they then take
 PARAM_CONSTS = {"static_threshold": 0.9}
 GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
-           "kv_group_size")
+           "kv_group_size", *TIER_FLAGS)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
@@ -220,6 +221,7 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-config", default=None,
                    help=f"YAML preset from cache_configs/ ({', '.join(available_presets())}); "
                         "flags override it")
+    add_tier_args(parser)
 
 
 def add_param_flags(group: argparse._ArgumentGroup) -> None:
@@ -271,6 +273,7 @@ class CacheSpec:
     kv_bits: int | None = None
     kv_group_size: int | None = None
     cli: set[str] = field(default_factory=set)  # keys given on the command line (they beat the preset)
+    tiers: dict[str, Any] = field(default_factory=dict)  # kv.tiers flags given (warm_tokens turns them on)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CacheSpec:
@@ -286,7 +289,8 @@ class CacheSpec:
                    budget=merged.get("cache_budget"), layer_budget=merged.get("layer_budget"),
                    pyramid_beta=merged.get("pyramid_beta"),
                    params={k: v for k, v in merged.items() if k in PARAMS}, cli=set(cli),
-                   kv_bits=merged.get("kv_bits"), kv_group_size=merged.get("kv_group_size"))
+                   kv_bits=merged.get("kv_bits"), kv_group_size=merged.get("kv_group_size"),
+                   tiers={k: merged[k] for k in TIER_FLAGS if k in merged})
 
     def resolve(self) -> tuple[type[KVCache], type | None, dict[str, Any]]:
         """Validate names, unused flags and values; return (policy class, compressor class, all
@@ -330,6 +334,10 @@ class CacheSpec:
             if self.kv_bits is None:
                 raise KVFastError("--kv-group-size is only used with --kv-bits")
             _whole(1)("kv_group_size", self.kv_group_size)
+        if self.tiers:
+            if "warm_tokens" not in self.tiers:
+                raise KVFastError(f"--{_flag(next(iter(self.tiers)))} needs --warm-tokens (it turns the tiers on)")
+            check_tiers_for(policy)
         return policy, compressor, values
 
     def schedule(self) -> str:
@@ -357,12 +365,13 @@ def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: Mo
                        budget: float | None = None, layer_budget: str | None = None,
                        pyramid_beta: int | None = None, kv_bits: int | None = None,
                        kv_group_size: int | None = None, dtype: torch.dtype = torch.float32,
-                       device: str | torch.device = "cpu", tokenizer: Any = None, **params: Any) -> CacheFactory:
+                       device: str | torch.device = "cpu", tokenizer: Any = None, tiers: dict | None = None,
+                       **params: Any) -> CacheFactory:
     """make_cache(layer) for Transformer.setup_caches; params are hyper-parameters by name (n_sinks=4,
     ...); the tokenizer is for compressors that write text (KVzip's instruction)."""
     given = set(params) | ({"cache_budget"} if budget is not None else set())
     spec = CacheSpec(policy, prompt_compression, budget, layer_budget, pyramid_beta, params, kv_bits=kv_bits,
-                     kv_group_size=kv_group_size, cli=given)
+                     kv_group_size=kv_group_size, cli=given, tiers=tiers or {})
     model_args = model_args or ModelArgs()
     return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device, tokenizer)
 
@@ -425,12 +434,21 @@ class CacheFactory:
                                     min(n_sinks + window, average - max_new_tokens), prompt_len, beta)
             self.prompt_capacities = [min(c, prompt_len) if prompt_len else c for c in caps]
             self.capacities = [c + max_new_tokens for c in self.prompt_capacities]
+        self.tiers, self.recall_slots = None, 0
+        if spec.tiers:  # the recall slots come out of each layer's budget: the policy manages the rest
+            t = spec.tiers
+            self.tiers = resolve_tiers(t["warm_tokens"], t.get("warm_bits"), t.get("page_size"), t.get("recall_slots"),
+                                       t.get("recall_interval"), total=total, hot_budget=min(self.capacities),
+                                       kv_bits=self.kv_bits)
+            self.recall_slots = self.tiers.recall_slots
+            self.prompt_capacities = [min(p, c - self.recall_slots - (0 if self.cls.evicts else max_new_tokens))
+                                      for p, c in zip(self.prompt_capacities, self.capacities)]
         self.layer_values = [self._layer_values(layer, n_sinks, recent, window) for layer in range(n_layers)]
 
     def _layer_values(self, layer: int, n_sinks: int, recent: float, window: int) -> dict[str, Any]:
         """The policy's hyper-parameters for one layer, windows resolved to tokens, checked against
         capacity."""
-        cap, prompt_cap = self.capacities[layer], self.prompt_capacities[layer]
+        cap, prompt_cap = self.capacities[layer] - self.recall_slots, self.prompt_capacities[layer]
         values = {k: v for k, v in self.values.items() if k in self.cls.params}
         total = self.prompt_len + self.max_new_tokens
         evicting = self.cls.evicts and total > cap
@@ -471,11 +489,12 @@ class CacheFactory:
         """One re-ranking interval m for all layers (generate.Decoder reads layer 0's): a queue of m slots
         that stay evictable until the next refresh: at most C - n_sinks - (recent_window - 1) per layer.
         A fraction (the default 0.5) is clamped to that; a number of steps that exceeds it is an error."""
-        smallest = min(self.capacities)
+        managed = [c - self.recall_slots for c in self.capacities]
+        smallest = min(managed)
         value = self.values["drop_interval"]
         m = resolve_count(value, smallest)
         recent = self.values["recent_window"]
-        room = min(c - n_sinks - (resolve_count(recent, c) - 1) for c in self.capacities)
+        room = min(c - n_sinks - (resolve_count(recent, c) - 1) for c in managed)
         if value < 1:
             m = max(1, min(m, room))
         elif self.cls.evicts and self.prompt_len + self.max_new_tokens > smallest and m > room:
@@ -492,11 +511,12 @@ class CacheFactory:
             if self.tokenizer is not None:
                 compressor.bind(self.tokenizer)
         a = self.model_args
-        return self.cls(self.batch_size, a.n_kv_heads, a.head_dim, self.capacities[layer],
+        cls, tiers = (tiered(self.cls), {"tiers": self.tiers}) if self.tiers else (self.cls, {})
+        return cls(self.batch_size, a.n_kv_heads, a.head_dim, self.capacities[layer],
                         n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],
                         compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
                         kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
-                        model_args=a, **self.layer_values[layer])
+                        model_args=a, **tiers, **self.layer_values[layer])
 
     def describe(self) -> str:
         caps = sorted(set(self.capacities))
@@ -509,8 +529,12 @@ class CacheFactory:
                  "channels" if self.kv_bits else "")
         pool = (f"; slots per KV head on average, one pool of {self.model_args.n_kv_heads} x that per layer "
                 "shared by the KV heads" if issubclass(self.cls, PoolCache) else "")
+        t = self.tiers
+        tiers = (f"; tiers: {t.recall_slots} of the slots hold recalled pages (recall every {t.recall_interval} "
+                 f"positions), warm store {t.warm_pages} pages x {t.page_size} tokens at {t.warm_bits} bits per "
+                 "row and KV head" if t else "")
         return (f"cache: {self.policy}{comp}, capacity per layer {cap} slots{pool}"
-                + (f"; {params}" * bool(params)) + quant)
+                + (f"; {params}" * bool(params)) + quant + tiers)
 
 
 # ---- reporting ------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from torch import Tensor
 
 import cache as kvcache
 from kv import kvzip
+from kv.tiers import TierSpec, flush_caches, format_tier_report, tier_report
 from model import KVFastError, Transformer
 
 ROOT = Path(__file__).resolve().parent
@@ -49,16 +50,27 @@ def prefill(model: Transformer, idx: Tensor, temperature: float, top_k: int | No
 
 
 def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
-                     top_k: int | None) -> tuple[Tensor, Tensor]:
+                     top_k: int | None, recall: bool = False) -> tuple[Tensor, Tensor]:
     """One decode step: x [B, 1] at input_pos [1] -> (next token [B, 1], logits [B, 1, V])."""
-    logits = model(x, input_pos)
+    logits = model(x, input_pos, recall=recall)
     return sample(logits, temperature, top_k), logits
+
+
+def recall_and_decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
+                                top_k: int | None) -> tuple[Tensor, Tensor]:
+    """A decode step whose layers first recall warm pages for their query (kv.tiers); compiled on its own."""
+    return decode_one_token(model, x, input_pos, temperature, top_k, recall=True)
 
 
 def refresh_caches(model: Transformer) -> None:
     """Periodic policy work (e.g. Scissorhands' eviction-queue refill), compiled separately."""
     for c in model.caches:
         c.refresh()
+
+
+def flush_tiers(model: Transformer) -> None:
+    """Tiers: staged victims become warm pages (every page_size positions), compiled separately."""
+    flush_caches(model.caches)
 
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
@@ -77,7 +89,9 @@ class Decoder:
                  mode: str | None = None):
         self.model = model
         self.step = decode_one_token
+        self.step_recall = recall_and_decode_one_token
         self.refresh = refresh_caches
+        self.flush = flush_tiers
         self.prefill = prefill
         self.mode = None
         if compile:
@@ -87,6 +101,8 @@ class Decoder:
                 raise KVFastError(f"unknown compile mode {self.mode!r} (choose from {choices})")
             self.step = torch.compile(decode_one_token, mode=self.mode, fullgraph=True)
             self.refresh = torch.compile(refresh_caches, mode=self.mode, fullgraph=True)
+            self.step_recall = torch.compile(recall_and_decode_one_token, mode=self.mode, fullgraph=True)
+            self.flush = torch.compile(flush_tiers, mode=self.mode, fullgraph=True)
         if compile_prefill:
             if kvzip.needs_context_pass(model):
                 raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
@@ -95,16 +111,21 @@ class Decoder:
     def refresh_interval(self) -> int | None:
         return getattr(self.model.caches[0], "refresh_interval", None)
 
+    def tiers(self) -> TierSpec | None:
+        """The caches' tiers (kv.tiers), read when decoding starts: eval installs caches after building us."""
+        return getattr(self.model.caches[0], "tiers", None)
+
     def warm_up(self, idx: Tensor, temperature: float = 0.0, top_k: int | None = None,
                 steps: int = WARMUP_STEPS) -> tuple[int, int]:
         """Call every compiled function `steps` times on throwaway cache state, with the shapes, dtypes and
         Python arguments of a real sample from prompt idx [B, S], so that the sample then compiles nothing;
-        the caches are reset afterwards. The refresh runs before each step instead of every
-        refresh_interval steps: compiling it must not wait for the interval. The global RNG is restored, so
+        the caches are reset afterwards. The refresh (and the tiers' flush) runs before each step instead of
+        on its schedule: compiling it must not wait for the interval; the first step recalls (tiers). The global RNG is restored, so
         a seeded sample does not depend on the warm-up. Returns (decode steps, refreshes) run: a constant,
         whatever the sample's length."""
         model, S = self.model, idx.shape[1]
         refreshes = steps if self.refresh_interval() else 0
+        tiers = self.tiers()
         devices = [idx.device] if idx.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             for c in model.caches:
@@ -115,10 +136,13 @@ class Decoder:
                 # the strides of the token sample() returns: dynamo guards on strides, even of size-1 dims
                 x = idx[:, -1:].clone(memory_format=torch.contiguous_format)
             input_pos = torch.tensor([S], dtype=torch.long, device=idx.device)
-            for _ in range(steps):
+            for i in range(steps):
                 if refreshes:
                     self.refresh(model)
-                x, _ = self.step(model, x, input_pos, temperature, top_k)
+                if tiers:
+                    self.flush(model)
+                step = self.step_recall if tiers and i == 0 else self.step
+                x, _ = step(model, x, input_pos, temperature, top_k)
                 x = x.clone()  # as in decode(): a CUDA graph replay overwrites its outputs
                 input_pos = input_pos + 1
             for c in model.caches:
@@ -130,14 +154,25 @@ class Decoder:
                on_logits=None) -> Tensor:
         """Decode up to n tokens after x ([B, 1] at start_pos). With `forced` ([B, n]) the next inputs are
         teacher-forced (used to extend a cache by a chunk and for perplexity); on_logits(step, logits) sees
-        each step's logits. Returns the generated tokens [B, <=n]."""
+        each step's logits. Returns the generated tokens [B, <=n].
+
+        Tiers (kv.tiers): staged victims are flushed to warm pages every page_size positions; a step recalls
+        warm pages for its query first when it is the first of this call (new input arrived: the prompt or a
+        fed chunk), the last token of a fed chunk (whose logits start the answer) or on the recall interval."""
         out = []
         input_pos = torch.tensor([start_pos], dtype=torch.long, device=x.device)
-        interval = self.refresh_interval()
+        interval, tiers = self.refresh_interval(), self.tiers()
         for i in range(n):
-            if interval and (start_pos + i) % interval == 0:
+            pos = start_pos + i
+            if interval and pos % interval == 0:
                 self.refresh(self.model)
-            x_next, logits = self.step(self.model, x, input_pos, temperature, top_k)
+            step = self.step
+            if tiers:
+                if pos % tiers.page_size == 0:
+                    self.flush(self.model)
+                if i == 0 or (forced is not None and i == n - 1) or pos % tiers.recall_interval == 0:
+                    step = self.step_recall
+            x_next, logits = step(self.model, x, input_pos, temperature, top_k)
             # with CUDA graphs the step's outputs live in memory the next replay overwrites: copy them out
             x_next = x_next.clone()
             if on_logits is not None:
@@ -352,6 +387,8 @@ def print_cache_stats(model: Transformer, factory: kvcache.CacheFactory) -> None
     for line in kvcache.format_cache_report(kvcache.cache_report(model.caches)):
         print(line)
     for line in kvcache.format_head_class_report(kvcache.head_class_report(model.caches)):
+        print(line)
+    for line in format_tier_report(tier_report(model.caches)):
         print(line)
 
 

@@ -203,7 +203,7 @@ class Attention(nn.Module):
         B, _, S, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor | None, recall: bool = False) -> Tensor:
         q, k, v = self.project(x, cos, sin)
         cache = self.kv_cache
         if input_pos is None:  # prefill: causal attention on the fresh K/V, then the cache keeps what it can
@@ -211,6 +211,8 @@ class Attention(nn.Module):
             if cache is not None:
                 cache.prefill(q, k, v)
             return self.output(out)
+        if recall:  # tiers: bring back the evicted pages this query needs (kv.tiers), then attend as always
+            cache.recall(q)
         k_all, v_all, mask = cache.update(input_pos, k, v)
         out, probs = attend(q, k_all, v_all, mask, want_probs=cache.needs_attention)
         if probs is not None:
@@ -237,8 +239,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor | None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor | None, recall: bool = False) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, recall)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -263,20 +265,22 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = make_cache(i)
 
-    def forward(self, idx: Tensor, input_pos: Tensor | None = None, all_logits: bool = False) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor | None = None, all_logits: bool = False,
+                recall: bool = False) -> Tensor:
         """idx: [B, S]. input_pos None = prefill of a fresh sequence at positions 0..S-1 (returns the last
-        position's logits, [B, 1, V], unless all_logits); else one decode token at input_pos ([1])."""
-        h = self.hidden(idx, input_pos)
+        position's logits, [B, 1, V], unless all_logits); else one decode token at input_pos ([1]), which
+        first recalls evicted tokens into the caches if `recall` (a tiered cache, kv.tiers)."""
+        h = self.hidden(idx, input_pos, recall)
         return self.logits(h if all_logits else h[:, -1:])
 
-    def hidden(self, idx: Tensor, input_pos: Tensor | None = None) -> Tensor:
+    def hidden(self, idx: Tensor, input_pos: Tensor | None = None, recall: bool = False) -> Tensor:
         if input_pos is None:
             cos, sin = self.rope_cos[: idx.shape[1]], self.rope_sin[: idx.shape[1]]
         else:
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos)
+            x = layer(x, cos, sin, input_pos, recall)
         return self.norm(x)
 
     def logits(self, h: Tensor) -> Tensor:

@@ -90,6 +90,8 @@ class KVCache(nn.Module):
     n_sinks: int = 0
     recent_window: int = 1  # counts the new token: the r - 1 newest cached tokens are protected
     refresh_interval: int | None = None  # read by generate.Decoder: call refresh() every that many steps
+    # the last recall_slots slots belong to the tiers (kv.tiers): never evicted by the policy, never prefilled
+    recall_slots: int = 0
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, capacity: int, *, n_groups: int = 1,
                  prompt_capacity: int | None = None, compressor=None, layer: int = 0,
@@ -218,7 +220,10 @@ class KVCache(nn.Module):
     # ---- decode --------------------------------------------------------------------------------------
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Write one token's K/V ([B, H_kv, 1, D]) at position input_pos ([1]); return all slots + mask."""
-        slot = self.choose_slot(input_pos)  # [B, H_kv]
+        return self.insert(self.choose_slot(input_pos), input_pos, k, v)
+
+    def insert(self, slot: Tensor, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """update() after the choice: the new token into slot [B, H_kv] (kv.tiers demotes its old token first)."""
         B, H = slot.shape
         self.write_slots(slot.view(B, H, 1), k, v)
         self.slot_pos.scatter_(2, slot.view(B, H, 1), input_pos.view(1, 1, 1).expand(B, H, 1))
@@ -234,7 +239,11 @@ class KVCache(nn.Module):
         """Scores with sinks and the recent window (before the incoming position t) at +inf, empty at -inf."""
         pos = self.slot_pos
         kept = (pos < self.n_sinks) | (pos > t - self.recent_window)
-        return scores.masked_fill(kept, INF).masked_fill(pos < 0, -INF)
+        scores = scores.masked_fill(kept, INF).masked_fill(pos < 0, -INF)
+        if self.recall_slots:  # the tiers' recall slots: full or empty, never the policy's to fill or evict
+            scores = torch.cat([scores[..., : -self.recall_slots],
+                                scores.new_full((*scores.shape[:-1], self.recall_slots), INF)], dim=-1)
+        return scores
 
     def slot_scores(self, input_pos: Tensor) -> Tensor:
         raise NotImplementedError
@@ -247,6 +256,9 @@ class KVCache(nn.Module):
 
     def refresh(self) -> None:
         """Work done every `refresh_interval` steps by a separately compiled function (none by default)."""
+
+    def recall(self, q: Tensor) -> None:
+        """Bring back evicted tokens for the current query q [B, H, 1, D] before update() (kv.tiers; none here)."""
 
     # ---- benchmarking ----------------------------------------------------------------------------------
     def fill_synthetic(self, seq_len: int, generator: torch.Generator | None = None) -> None:
