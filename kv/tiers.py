@@ -95,10 +95,14 @@ def resolve_tiers(warm_tokens: float, warm_bits: int | None, page_size: int | No
     if slots >= hot_budget:
         raise KVFastError(f"--recall-slots {slots} does not fit the hot budget of {hot_budget} slots per KV head "
                           "(the policy needs the rest)")
+    pages = math.ceil(int(tokens) / page)
+    if slots > pages * page:
+        raise KVFastError(f"--recall-slots {slots} exceed the warm store ({pages} pages of {page} tokens): nothing "
+                          "could fill them")
     interval = 32 if recall_interval is None else recall_interval
     if interval != int(interval) or interval < 1:
         raise KVFastError(f"--recall-interval must be a whole number >= 1, got {interval:g}")
-    return TierSpec(page, math.ceil(int(tokens) / page), bits, slots, int(interval))
+    return TierSpec(page, pages, bits, slots, int(interval))
 
 
 class Tiers:
@@ -195,8 +199,9 @@ class Tiers:
             self.count("cold_pages", B * H * cold)
             self.count("cold_tokens", B * H * cold * P)
         kept = pages - cold
+        parts = [value[:, :, cold * P :] for value in parts]
         for name, value in zip(WARM_PARTS, parts):
-            getattr(self, f"warm_{name}")[:, :, :kept] = value[:, :, cold * P :].unflatten(2, (kept, P))
+            getattr(self, f"warm_{name}")[:, :, :kept] = value.unflatten(2, (kept, P))
         pos = pos[:, :, cold * P :].unflatten(2, (kept, P))
         self.page_pos[:, :, :kept] = pos
         self.page_kmin[:, :, :kept], self.page_kmax[:, :, :kept] = self.key_bounds(parts[:3], pos, kept)
