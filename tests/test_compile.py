@@ -159,13 +159,14 @@ def test_compile_flag_errors_are_one_line(argv, expected, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
 
 
-def test_compile_mode_reaches_the_step_and_the_refresh(monkeypatch):
+def test_compile_mode_reaches_every_compiled_function(monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn.__name__, kw.get("mode"))) or fn)
     model = tiny_model()
     decoder = generate.Decoder(model, compile=True, mode="max-autotune-no-cudagraphs")
-    assert seen == [("decode_one_token", "max-autotune-no-cudagraphs"),
-                    ("refresh_caches", "max-autotune-no-cudagraphs")]
+    mode = "max-autotune-no-cudagraphs"  # the tiers' recall step and flush are compiled with it too
+    assert seen == [(name, mode) for name in
+                    ("decode_one_token", "refresh_caches", "recall_and_decode_one_token", "flush_tiers")]
     assert decoder.mode == "max-autotune-no-cudagraphs"
     assert generate.Decoder(model, compile=True).mode == "default"  # CPU; reduce-overhead on CUDA
 
