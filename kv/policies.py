@@ -14,7 +14,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from kv.prompt import column_sums, key_norm_rank, last_query_attention, low_attention
+from kv.prompt import (
+    attention_row_blocks,
+    column_sums,
+    key_norm_rank,
+    last_query_attention,
+    low_attention,
+    memoized,
+)
 from kv.slots import KVCache, counter_hash, gather_tokens, reduce_groups, row_head_salt
 
 
@@ -220,6 +227,58 @@ class TOVACache(KVCache):
         self.last_attn.copy_(self.layer_scores(per_group))
 
 
+class EMACache(KVCache):
+    """Adaptive KV (Q-TensorFormer design, reference/hybrid-and-tiers.md): attention utility as an exponential
+    moving average, u <- ema_beta u + (1 - ema_beta) a, a = the new query's attention on the slot; new tokens
+    start at 1.0; the lowest utility leaves; 4 sinks and 128 recent tokens protected. Deviations: one utility
+    per row and KV head (a reduced over the group's query heads by gqa_reduce), not the sketch's mean over
+    batch and heads; kept prompt tokens start from the utility the same rule gives them over the prompt's own
+    queries (the sketch has no prefill rule)."""
+
+    name = "ema"
+    needs_attention = True
+    params: ClassVar[dict[str, Any]] = {"n_sinks": 4, "recent_window": 128, "ema_beta": 0.9, "gqa_reduce": "mean"}
+    default_prompt_compressor = "snapkv"
+
+    def init_state(self) -> None:
+        self.add_state("utility", (self.batch_size, self.n_kv_heads, self.capacity), fill=1.0)
+
+    def slot_scores(self, input_pos: Tensor) -> Tensor:
+        return self.utility
+
+    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
+        B, H = slot.shape
+        self.utility.scatter_(2, slot.view(B, H, 1), 1.0)
+
+    def observe(self, probs: Tensor) -> None:
+        a = reduce_groups(probs[:, :, :, 0].float(), self.gqa_reduce)
+        self.utility.mul_(self.ema_beta).add_(a, alpha=1 - self.ema_beta)
+
+    def prompt_utility(self, q: Tensor, k: Tensor) -> Tensor:
+        """[B, H_kv, S]: u_j after prompt queries j..S-1 as decoding runs them (token j enters at 1.0, then
+        its own query and every later one observe): beta^(S-j) + (1 - beta) sum_{i>=j} beta^(S-1-i) a_ij.
+        Only the last w queries are computed, in blocks: the rest weigh sum_{m>=w} (1 - beta) beta^m
+        = beta^w <= 2^-24 in all (w = 256 suffices for beta <= 0.937; larger betas look further back)."""
+        S, beta = k.shape[2], self.ema_beta
+        w = min(S, 256)
+        while beta ** w > 2 ** -24 and w < S:
+            w = min(S, 2 * w)
+        u = (beta ** torch.arange(S, 0, -1, device=k.device, dtype=torch.float64)).float().expand(k.shape[:3])
+        for r0, probs in attention_row_blocks(q, k, S - w):
+            rows = torch.arange(r0, r0 + probs.shape[3], device=k.device, dtype=torch.float64)
+            weight = ((1 - beta) * beta ** (S - 1 - rows)).float().view(-1, 1)
+            u = u + (reduce_groups(probs, self.gqa_reduce) * weight).sum(dim=2)
+        return u
+
+    def prefill_state(self, q: Tensor, k: Tensor, keep: Tensor | None, memo: dict) -> None:
+        n = min(k.shape[2], self.prompt_capacity)
+        u = memoized(memo, ("ema_utility", self.ema_beta, self.gqa_reduce), lambda: self.prompt_utility(q, k))
+        self.utility[..., :n] = gather_tokens(u, keep, n)
+
+    def synthetic_state(self, generator: torch.Generator | None) -> None:
+        self.utility.copy_(torch.rand(self.utility.shape, generator=generator))
+
+
 class KNormCache(KVCache):
     """KNorm (Devoto et al., EMNLP 2024, arXiv:2406.11430): evict the key with the highest L2 norm.
     Deviations: no layer is skipped (the official README example leaves layers 0 and 1 uncompressed); norms
@@ -273,5 +332,5 @@ class PyramidKVCache(SnapKVCache):
 POLICIES: dict[str, type[KVCache]] = {
     cls.name: cls
     for cls in (FullCache, WindowCache, RandomCache, H2OCache, ScissorhandsCache, SnapKVCache, PyramidKVCache,
-                KNormCache, TOVACache)
+                KNormCache, TOVACache, EMACache)
 }

@@ -171,7 +171,7 @@ def test_scoring_on_hand_made_cases():
 
 
 # ---- the evaluation ------------------------------------------------------------------------------------------
-ALL_POLICIES = ["full", "window", "random", "h2o", "scissorhands", "snapkv", "pyramidkv", "knorm", "tova",
+ALL_POLICIES = ["full", "window", "random", "h2o", "scissorhands", "snapkv", "pyramidkv", "knorm", "tova", "ema",
                 "expected_attention", "kvzip"]
 SMALL = ["--n-sinks", "2", "--history-window", "16", "--obs-window", "4", "--pool-kernel", "3"]
 
