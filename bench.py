@@ -5,6 +5,7 @@
     python bench.py --section quantize    # fp32 vs int8 vs int4 weights: size, decode speed, quality
     python bench.py --section kv-bits     # K/V stored in fp32 vs 8 vs 4 bits: decode step time and KV bytes
     python bench.py --section prefill     # what each prompt compressor adds to a plain prefill (kvzip, ...)
+    python bench.py --section tiers       # tiered (kv.tiers) vs plain decode step at the same hot budget, 4096 tokens
 
 Markdown tables go to stdout, everything measured to --json.
 """
@@ -23,7 +24,9 @@ import torch
 from torch import Tensor
 
 import cache as kvcache
+from evalcaches import add_tier_flags, given_tier_flags, tier_settings
 from generate import DEFAULT_CHECKPOINT, ArgumentParser, Decoder, resolve_checkpoint, run_cli
+from kv.tiers import tier_report
 from model import KVFastError, Transformer
 
 
@@ -181,6 +184,124 @@ def bench_policies(model: Transformer, args: argparse.Namespace) -> dict:
     return results
 
 
+# ---- tiers: what demotion and recall add to a decode step ----------------------------------------------------------
+TIER_SPAN = 256  # steps of the average: recall every --recall-interval, flush every --page-size positions
+
+
+def _sync(model: Transformer) -> None:
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def tier_step_times(model: Transformer, policy: str, context_len: int, budget: float, tiers: dict | None,
+                    steps: int, repeats: int, span: int = TIER_SPAN) -> dict:
+    """Compiled decode steps with caches filled as after context_len tokens (setup_decode_benchmark: random hot
+    K/V; with tiers, a full warm store of random pages), refilled before every measurement so each starts from
+    the same state at position context_len. Sized for context_len + span + 1 tokens either way, so the plain and
+    the tiered caches have the same hot budget (slots per layer; the tiered one's recall slots inside it).
+
+    step_s: a plain decode step (the step call alone: no refresh, flush or recall timed), the mean over `steps`
+    steps; recall_s (tiers): a step that recalls first, likewise; span_s: the mean step of Decoder.decode over
+    `span` steps, everything it schedules included (refreshes; tiers: a flush every page_size positions, a
+    recall at the first step and every recall_interval positions). Each: the median over `repeats`. tiers: the
+    tier counters of the last span (kv.tiers.tier_report)."""
+    kwargs = {"budget": budget, **({"tiers": tiers} if tiers else {})}
+    factory = kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=span + 1, **kwargs)
+    torch._dynamo.reset()  # new cache buffers: start from a clean compile cache (dynamo's recompile limit)
+    decoder = Decoder(model, compile=True)
+    spec, interval = factory.tiers, decoder.refresh_interval()
+    generator = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+
+    def refill() -> None:
+        for c in model.caches:
+            c.fill_synthetic(context_len, generator)
+
+    def single(recall: bool) -> float:
+        refill()
+        step = decoder.step_recall if recall else decoder.step
+        x, pos, spent = torch.tensor([[42]], device=device), torch.tensor([context_len], device=device), 0.0
+        for i in range(steps):
+            p = context_len + i
+            if interval and p % interval == 0:
+                decoder.refresh(model)
+            if spec and p % spec.page_size == 0:
+                decoder.flush(model)
+            _sync(model)
+            t0 = time.perf_counter()
+            x, _ = step(model, x, pos, 0.0, None)
+            _sync(model)
+            spent += time.perf_counter() - t0
+            x, pos = x.clone(), pos + 1
+        return spent / steps
+
+    def whole() -> float:
+        refill()
+        _sync(model)
+        t0 = time.perf_counter()
+        decoder.decode(torch.tensor([[42]], device=device), context_len, span)
+        _sync(model)
+        return (time.perf_counter() - t0) / span
+
+    out: dict = {"capacity": model.caches[0].capacity,
+                 "hot_MB": sum(c.physical_bytes() for c in model.caches) / 1e6}
+    with torch.inference_mode():
+        # compile every function first (the step; tiers: the recall step and the flush), then one untimed round
+        decoder.warm_up(torch.full((1, context_len), 42, dtype=torch.long, device=device))
+        single(False)
+        if spec:
+            single(True)
+        whole()
+        runs = [(single(False), single(True) if spec else 0.0, whole()) for _ in range(repeats)]
+        out.update(step_s=statistics.median(r[0] for r in runs), span_s=statistics.median(r[2] for r in runs))
+        if spec:
+            out["recall_s"] = statistics.median(r[1] for r in runs)
+            report = tier_report(model.caches)  # the last span's
+            out.update(recall_slots=spec.recall_slots, tiers=report, recall_steps=report["recalls"] // report["layers"],
+                       moved_per_step=(report["hot_to_warm_bytes"] + report["warm_to_hot_bytes"]) / span,
+                       warm_MB=report["warm_bytes"] / 1e6)
+    return out
+
+
+def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
+    """Per policy and length: the plain policy and the same policy with tiers at the same hot budget."""
+    policies = args.policies or ["h2o"]
+    lengths = args.lengths or [4096]
+    tiers = tier_settings(args)
+    print(f"\ntiers: decode step time (ms), compiled, median of {args.repeats}; budget {args.budget:g} of context + "
+          f"{TIER_SPAN + 1} new tokens, the same hot slots for both (the tiered cache's recall slots among them); "
+          f"warm store {tiers['warm_tokens']:g} of the tokens at {tiers['warm_bits']:g} bits, pages of "
+          f"{tiers['page_size']:g}, recall every {tiers['recall_interval']:g} positions. step: the step alone, "
+          f"mean of {args.steps}; recall: a step that recalls first; avg: the mean over {TIER_SPAN} steps as "
+          "generation runs them (flushes, recalls, refreshes). Ratios vs the plain policy (targets: step <= "
+          f"1.05x, {TIER_SPAN}-step avg <= 1.25x). Moved: hot->warm + warm->hot bytes per step over those "
+          f"{TIER_SPAN} steps (random warm pages); warm: the warm store; hot: the K/V buffers\n")
+    print("| policy | tokens | slots (recall) | plain step | plain avg | tiered step | recall step | "
+          "tiered avg | moved KB/step | warm MB | hot MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    results: dict = {}
+    notes = []
+    for policy in policies:
+        results[policy] = {}
+        for n in lengths:
+            base = tier_step_times(model, policy, n, args.budget, None, args.steps, args.repeats)
+            warm = tier_step_times(model, policy, n, args.budget, tiers, args.steps, args.repeats)
+            ratios = {"step": warm["step_s"] / base["step_s"], "recall": warm["recall_s"] / base["step_s"],
+                      "avg": warm["span_s"] / base["span_s"]}
+            results[policy][n] = {"plain": base, "tiered": warm, "ratios": ratios, "tier_settings": tiers}
+            print(f"| {policy} | {n} | {warm['capacity']} ({warm['recall_slots']}) | {1e3 * base['step_s']:.2f} | "
+                  f"{1e3 * base['span_s']:.2f} | {1e3 * warm['step_s']:.2f} ({ratios['step']:.2f}x) | "
+                  f"{1e3 * warm['recall_s']:.2f} ({ratios['recall']:.2f}x) | {1e3 * warm['span_s']:.2f} "
+                  f"({ratios['avg']:.2f}x) | {warm['moved_per_step'] / 1e3:.1f} | {warm['warm_MB']:.1f} | "
+                  f"{warm['hot_MB']:.1f} |", flush=True)
+            r = warm["tiers"]
+            notes.append(f"{policy} at {n} tokens, over {TIER_SPAN} steps: {r['flushed_pages']} pages flushed, "
+                         f"{warm['recall_steps']} recall steps, {r['recall_hits']} page hits, {r['recall_misses']} "
+                         f"misses, {r['cold_pages']} pages dropped cold (summed over layers and KV heads)")
+    print("\n" + "\n".join(notes))
+    return results
+
+
 # ---- prompt compression: what scoring the prompt adds to a prefill -----------------------------------------------
 def compress_prompt(model: Transformer, idx: Tensor, kv: list, caches: list) -> None:
     """Fill caches from a recorded prefill (kv) of idx, with fresh memos: all the compressors' work."""
@@ -329,7 +450,7 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
-    p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "all"],
+    p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "tiers", "all"],
                    default="engine", help="which tables")
     p.add_argument("--compressors", nargs="+", default=["snapkv", "h2o", "expected_attention", "kvzip"],
                    help="prefill table: prompt compressors")
@@ -341,10 +462,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
     p.add_argument("--skip-hf", action="store_true", help="engine table without the HF transformers row")
     p.add_argument("--policies", nargs="*",
-                   help="policies table: policies (default: all but full); kv-bits table: (default: full h2o)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096], help="policies table: prompts")
-    p.add_argument("--budget", type=float, default=0.25, help="policies table: cache budget")
-    p.add_argument("--steps", type=int, default=16, help="policies table: decode steps per timed repeat")
+                   help="policies table: policies (default: all but full); kv-bits table: (default: full h2o); "
+                        "tiers table: evicting policies to run plain and tiered (default: h2o)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="policies, kv-bits and prefill tables: prompts (default: 512 2048 4096); tiers table: "
+                        "(default: 4096)")
+    p.add_argument("--budget", type=float, default=0.25, help="policies, kv-bits and tiers tables: cache budget")
+    p.add_argument("--steps", type=int, default=16,
+                   help="policies and kv-bits tables: decode steps per timed repeat; tiers table: steps per timed "
+                        "single-step mean (the average runs 256)")
     p.add_argument("--group-sizes", type=int, nargs="+", default=[32, 64], help="quantize table: int4 groups")
     p.add_argument("--quality-text", default="jargon",
                    help="quantize and kv-bits tables: text source (see eval.py --ppl-text; `make data` fetches "
@@ -352,12 +478,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quality-tokens", type=int, default=1024,
                    help="quantize and kv-bits tables: tokens of that text")
     p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")
+    add_tier_flags(p, "tiers table: the tiered policy's settings")
     args = p.parse_args(argv)
+    given = given_tier_flags(args)
+    if given and args.section not in ("tiers", "all"):
+        p.error(f"{given[0]} is used by --section tiers only")
+    tier_settings(args)  # bad tier flags fail before the model loads
+    if args.section == "tiers" and args.steps > TIER_SPAN:
+        p.error(f"--steps {args.steps}: the tiers table's caches hold {TIER_SPAN} steps")
     torch.manual_seed(0)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model = Transformer.from_checkpoint(checkpoint)
     out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_summary()}
     print(f"machine: {out['cpu']}")
+    tier_lengths, args.lengths = args.lengths, args.lengths or [512, 2048, 4096]
     if args.section in ("engine", "all"):
         out["engine"] = bench_engine(model, checkpoint, args)
     if args.section in ("policies", "all"):
@@ -372,6 +506,9 @@ def main(argv: list[str] | None = None) -> None:
             raise KVFastError(f"unknown prompt compressor {unknown[0]!r} (choose from "
                               f"{', '.join(kvcache.PROMPT_COMPRESSORS)})")
         out["prefill"] = bench_prefill(model, checkpoint, args)
+    if args.section in ("tiers", "all"):
+        args.lengths = tier_lengths
+        out["tiers"] = bench_tiers(model, args)
     args.json.write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json}")
 

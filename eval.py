@@ -24,6 +24,15 @@ policy's caches with `cache.prefill(q, k, v, memo)` (prefill attention never rea
 budget-independent prompt statistics), so a policy/budget pair costs only its decode steps. Samples of a cell
 share one batch. Decoding is generate.Decoder's (optionally compiled) step. Results go to --out: results.json,
 summary.md and plots; reruns skip finished cells.
+
+Tiers: POLICY+warm in --policies (e.g. `--policies h2o h2o+warm --budgets 0.25`) is the same policy and budget with
+kv.tiers on (evicted tokens demoted to a quantized warm store, recalled into reserved hot slots), set by
+--warm-tokens (default 1.0 here), --warm-bits, --page-size, --recall-slots, --recall-interval. Its cells are
+labelled h2o@0.25+warm (results record the policy as h2o+warm, plus h2o+warm[warm-bits=8] etc. for settings other
+than the defaults, so the grid shows plain and tiered side by side) and record the settings ("tiers") and the tier
+counters per sample ("tier_counters": kv.tiers.tier_report of the batch divided by its rows). Tiered combos decode
+in groups of their own; the attention-loss probe flushes and recalls its tiered followers (a recalled token is
+held).
 """
 
 from __future__ import annotations
@@ -45,7 +54,18 @@ import torch  # after OMP_WAIT_POLICY, which is read when torch loads OpenMP
 
 import cache as kvcache
 import evaltasks as tasks
-from evalcaches import Combo, Evaluator, MultiCache, ShadowCaches, policy_params
+from evalcaches import (
+    Combo,
+    Evaluator,
+    MultiCache,
+    ShadowCaches,
+    add_tier_flags,
+    given_tier_flags,
+    policy_params,
+    split_combo_policy,
+    tier_fields,
+    tier_settings,
+)
 from generate import (
     DEFAULT_CHECKPOINT,
     ArgumentParser,
@@ -69,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", nargs="+", default=["passkey", "niah", "fidelity", "ppl"],
                    help=f"tasks to run: {', '.join(TASK_NAMES)} (niah = its three variants)")
     p.add_argument("--policies", nargs="+", default=["full", "window", "h2o", "scissorhands", "snapkv"],
-                   help=f"cache policies: {', '.join(kvcache.POLICIES)}; full is always the reference")
+                   help=f"cache policies: {', '.join(kvcache.POLICIES)}; full is always the reference; POLICY+warm: "
+                        "the same policy with tiers (kv.tiers) on, e.g. h2o+warm (not full nor the pool policies)")
     p.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.125],
                    help="cache budgets: fractions of prompt + new tokens (or slots per layer if > 1)")
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096],
@@ -114,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     kvcache.add_param_flags(p.add_argument_group("policy hyper-parameters (each applies to the listed policies "
                                                  "that use it)"))
+    add_tier_flags(p, "the POLICY+warm combos of --policies")
     args = p.parse_args(argv)
     check_args(args)
     return args
@@ -133,10 +155,24 @@ def check_args(args: argparse.Namespace) -> None:
         if t not in TASK_NAMES:
             raise KVFastError(f"unknown task {t!r} (choose from {', '.join(TASK_NAMES)})")
     args.tasks = expand_tasks(args.tasks)
-    for policy in args.policies:
+    tiered = False
+    for name in args.policies:
+        policy, warm = split_combo_policy(name)
         if policy not in kvcache.POLICIES:
-            raise KVFastError(f"unknown cache policy {policy!r} (choose from {', '.join(kvcache.POLICIES)})")
+            raise KVFastError(f"unknown cache policy {name!r} (choose from {', '.join(kvcache.POLICIES)}, each "
+                              "optionally +warm)")
+        if warm:  # full and the pool policies have no tiers: cache.py's one-line reason
+            try:
+                kvcache.CacheSpec(policy, tiers={"warm_tokens": 1.0}).resolve()
+            except KVFastError as e:
+                raise KVFastError(f"--policies {name}: {e}") from None
+            tiered = True
     args.policies = ["full"] + [p for p in dict.fromkeys(args.policies) if p != "full"]
+    given = given_tier_flags(args)
+    if given and not tiered:
+        raise KVFastError(f"{given[0]} is used by none of the policies {args.policies} (tiers are on for POLICY+warm, "
+                          "e.g. h2o+warm)")
+    args.tiers = tier_settings(args) if tiered else None
     for b in args.budgets:
         if b <= 0 or (b > 1 and b != int(b)):
             raise KVFastError(f"--budgets: {b:g} is neither a fraction in (0, 1] nor a whole number of slots")
@@ -157,7 +193,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise KVFastError(f"--fidelity-lengths must be at least 128 tokens, got {min(args.fidelity_lengths)}")
     args.params = {k: kvcache.PARAMS[k][0](k, getattr(args, k)) for k in kvcache.PARAMS if getattr(args, k) is not None}
     for key in args.params:
-        if not any(key in policy_params(p) for p in args.policies):
+        if not any(key in policy_params(split_combo_policy(p)[0]) for p in args.policies):
             raise KVFastError(f"--{key.replace('_', '-')} is used by none of the policies {args.policies}")
     if args.ppl_every > args.ppl_length:
         raise KVFastError("--ppl-every exceeds --ppl-length")
@@ -165,11 +201,17 @@ def check_args(args: argparse.Namespace) -> None:
 
 # ---- combos and records ----------------------------------------------------------------------------------
 def combos_of(args: argparse.Namespace) -> list[Combo]:
-    return [Combo("full", None)] + [Combo(p, b) for p in args.policies if p != "full" for b in args.budgets]
+    combos = [Combo("full", None)]
+    for name in args.policies:
+        policy, warm = split_combo_policy(name)
+        tiers = tuple(args.tiers.items()) if warm else None
+        combos += [Combo(policy, b, tiers) for b in args.budgets if policy != "full"]
+    return combos
 
 
 def record_key(task: str, length: int, index: int, combo: Combo, mode: str) -> str:
-    return f"{task}|{length}|{index}|{combo.policy}|{combo.budget}|{mode}"
+    """The combo's name (h2o, h2o+warm, ...) keys its records: tiered and plain cells are cached apart."""
+    return f"{task}|{length}|{index}|{combo.name}|{combo.budget}|{mode}"
 
 
 CONFIG_KEYS = ("checkpoint", "seed", "chat", "dtype", "haystack", "ppl_text", "depths", "fidelity_tokens",
@@ -257,6 +299,8 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
             first = ev.feed(qst.repeat(G, 1), S) if mode == "agnostic" else last.repeat(G, 1, 1)
             pos = S + Q
             retrieval = src in need
+            tiers_answer: dict = {}
+            tiers_fid: dict = {}
             if group[0].is_full:
                 keep = need_ref or "fidelity" in need
                 steps = max(answer_n if retrieval else 1, N if keep else 1)
@@ -269,19 +313,23 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
                 state = ev.snapshot(caches) if retrieval and "fidelity" in need else None
                 if retrieval:
                     answer, _ = ev.greedy(first, pos, answer_n, stop=True, keep=False)
+                    tiers_answer = tier_fields(caches, B)  # a tiered combo is alone in its group: G = 1
                 if "fidelity" in need:
                     if state is not None:
                         ev.restore(caches, state)
                     fid = ev.follow(first, pos, *ref)
+                    tiers_fid = tier_fields(caches, B)
             elapsed = (time.perf_counter() - t0) / (B * G)
             classes = kvcache.head_class_report(caches)
             for j, combo in enumerate(group):
                 cap = sorted({c.members[j].capacity if isinstance(c, MultiCache) else c.capacity for c in caches})
-                base = {"length": L, "policy": combo.policy, "budget": combo.budget, "mode": mode,
+                base = {"length": L, "policy": combo.name, "budget": combo.budget, "mode": mode,
                         "prompt_tokens": S + Q, "context_tokens": S, "capacity": cap[0] if len(cap) == 1 else cap,
                         "time_s": round(elapsed, 4), "prefill_s": round(prefill_s, 4)}
                 if kvzip_s and combo.policy == "kvzip":
                     base["kvzip_s"] = round(kvzip_s, 4)
+                if combo.tiers:
+                    base["tiers"] = dict(combo.tiers)
                 for row, p in enumerate(prompts):
                     r = j * B + row
                     if retrieval and src in todo.get((combo, mode), ()):
@@ -289,11 +337,11 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
                         pred = ev.tok.decode(truncate_at_stop(ids, ev.stop_ids) if ev.stop_ids else ids)
                         add_record(store, bar, {**base, "task": src, "index": p.index, "prediction": pred,
                                                 "answers": p.answers, "score": tasks.score(src, pred, p.answers),
-                                                "meta": p.meta, **head_fields(classes, r)}, combo)
+                                                "meta": p.meta, **head_fields(classes, r), **tiers_answer}, combo)
                     if "fidelity" in todo.get((combo, mode), ()):
                         m = {k: float(v[r]) for k, v in fid.items()}
                         add_record(store, bar, {**base, "task": "fidelity", "index": p.index, "score": m["top1"],
-                                                "metrics": m, "meta": p.meta, **head_fields(classes, r)},
+                                                "metrics": m, "meta": p.meta, **head_fields(classes, r), **tiers_fid},
                                    combo)
             store.save()
 
@@ -316,14 +364,15 @@ def add_record(store: Store, bar: Any, record: dict, combo: Combo) -> None:
 
 
 # ---- perplexity and attention loss ----------------------------------------------------------------------------
-def prefix_len(args: argparse.Namespace, combo: Combo, T: int) -> int:
+def prefix_len(args: argparse.Namespace, combo: Combo, T: int, recall_slots: int = 0) -> int:
     """Tokens of a ppl window that are prefilled before decoding: the budget's uniform capacity (nothing is
     evicted before a uniform cache is full, so those predictions are the batched pass's; a layer with a smaller
-    capacity, e.g. a pyramid's top layers, compresses that prefix with its prompt compressor), or 1 with
-    --ppl-decode-all. It depends on the budget only, so a policy gets the same result in any group."""
+    capacity, e.g. a pyramid's top layers, compresses that prefix with its prompt compressor), less a tiered
+    combo's recall slots (the policy holds the rest), or 1 with --ppl-decode-all. It depends on the budget (and
+    tier settings) only, so a policy gets the same result in any group."""
     if args.ppl_decode_all:
         return 1
-    return T if combo.is_full else min(T, kvcache.resolve_capacity(combo.budget, T))
+    return T if combo.is_full else min(T, kvcache.resolve_capacity(combo.budget, T) - recall_slots)
 
 
 def positions(args: argparse.Namespace) -> list[int]:
@@ -358,10 +407,11 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
             if store.done(key):
                 continue
             metric = "ppl" if task == "ppl" else "loss"
-            store.add({"key": key, "task": task, "length": T, "index": i, "policy": combo.policy,
+            store.add({"key": key, "task": task, "length": T, "index": i, "policy": combo.name,
                        "budget": combo.budget, "mode": NO_MODE, "capacity": cap, "metrics": metrics[row],
                        "score": metrics[row][f"{metric}@{T}"], "time_s": round(elapsed, 4),
-                       "prefill_s": round(prefill_s, 4), **extra[row]})
+                       "prefill_s": round(prefill_s, 4), **({"tiers": dict(combo.tiers)} if combo.tiers else {}),
+                       **extra[row]})
             bar.update(1)
         store.save()
 
@@ -371,8 +421,8 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
             bar.set_postfix_str(f"ppl@{T}: {', '.join(c.label() for c in group)}")
             t0 = time.perf_counter()
             members = [ev.caches(c, B, T, 0) for c in group]
-            P = prefix_len(args, group[0], T)
-            classes = None
+            P = prefix_len(args, group[0], T, getattr(members[0][0], "recall_slots", 0))
+            classes, tiers = None, {}
             if P >= T or (group[0].is_full and not args.ppl_decode_all):
                 nll, P = full_nll.repeat(G, 1), T  # no eviction can happen: the decode path would give the same
             else:
@@ -382,27 +432,31 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
                 ev.fill(caches, kv, P, memo, ids)
                 nll = torch.cat([full_nll[:, :P].repeat(G, 1), ev.decode_nll(ids.repeat(G, 1), P)], 1)
                 classes = kvcache.head_class_report(caches)
+                tiers = tier_fields(caches, B)  # a tiered combo is alone in its group
             elapsed = (time.perf_counter() - t0) / (B * G)
             for j, combo in enumerate(group):
                 rows = range(j * B, (j + 1) * B)
                 metrics = [{f"ppl@{p}": math.exp(float(nll[r, : p - 1].mean())) for p in ps}
                            | {f"nll@{p}": float(nll[r, : p - 1].mean()) for p in ps} for r in rows]
                 cap = sorted({c.capacity for c in members[j]})
-                extra = [{"prefilled": P, **head_fields(classes, j * B + r)} for r in range(B)]
+                extra = [{"prefilled": P, **head_fields(classes, j * B + r), **tiers} for r in range(B)]
                 add("ppl", combo, metrics, elapsed, cap[0] if len(cap) == 1 else cap, extra)
 
     if "attention-loss" in wanted:
         followers = [c for c in combos if ("attention-loss", c) in todo]
         groups: dict[Any, list[Combo]] = {}
-        for c in followers:  # one shadow pass per refresh interval (the decode loop calls refresh for all)
-            groups.setdefault(getattr(ev.factory(c, B, T, 0)(0), "refresh_interval", None), []).append(c)
+        for c in followers:  # one shadow pass per refresh interval (the decode loop calls refresh for all) and
+            # tier settings (it flushes and recalls the tiered followers on their schedule)
+            every = getattr(ev.factory(c, B, T, 0)(0), "refresh_interval", None)
+            groups.setdefault((every, c.tiers), []).append(c)
         for group in groups.values():
             bar.set_postfix_str(f"attention-loss@{T}: {', '.join(c.label() for c in group)}")
             t0 = time.perf_counter()
             full = ev.caches(Combo("full", None), B, T, 0)
             inner = [ev.caches(c, B, T, 0) for c in group]
             shadows = [ShadowCaches(full[i], [caches[i] for caches in inner], T) for i in range(ev.n_layers)]
-            P = min(min(prefix_len(args, c, T) for c in group), min(c.capacity for m in inner for c in m), T - 1)
+            P = min(min(prefix_len(args, c, T) for c in group),  # a tiered follower: the slots its policy holds
+                    min(c.capacity - getattr(c, "recall_slots", 0) for m in inner for c in m), T - 1)
             memo = memos.setdefault(P, [{} for _ in range(ev.n_layers)])
             ev.install(shadows)
             ev.fill(shadows, kv, P, memo, ids)
@@ -415,9 +469,10 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
                 lj = loss[:, j]  # [layers, B, T]; positions < P never evict (0), T - 1 is never a query
                 mean = lj.mean(0)
                 metrics = [{f"loss@{p}": float(mean[r, 1 : min(p, T - 1)].mean()) for p in ps} for r in range(B)]
+                tiers = tier_fields(inner[j], B)
                 extra = [{"per_layer": [round(float(x), 5) for x in lj[:, r, 1 : T - 1].mean(-1)],
                           "curve": [round(float(x), 5) for x in mean[r, : T // bins * bins].view(-1, bins).mean(-1)],
-                          "prefilled": P, **head_fields(classes, r)} for r in range(B)]
+                          "prefilled": P, **head_fields(classes, r), **tiers} for r in range(B)]
                 cap = sorted({c.capacity for c in inner[j]})
                 add("attention-loss", combo, metrics, elapsed, cap[0] if len(cap) == 1 else cap, extra)
 
@@ -448,11 +503,32 @@ def plan(args: argparse.Namespace, combos: list[Combo]) -> int:
     return total
 
 
+def check_tiered(ev: Evaluator, combos: list[Combo]) -> None:
+    """Tier settings that do not fit a length and budget (a warm store smaller than a page, recall slots that
+    take the whole hot budget) fail here, in one line, before any work."""
+    args = ev.args
+    sizes = set()
+    if any(t in args.tasks for t in tasks.RETRIEVAL_TASKS):
+        sizes |= {(L, args.answer_room) for L in args.lengths}
+    if "fidelity" in args.tasks:
+        sizes |= {(L, args.answer_room) for L in args.fidelity_lengths}
+    if any(t in args.tasks for t in ("ppl", "attention-loss")):
+        sizes.add((args.ppl_length, 0))
+    for combo in combos:
+        if combo.tiers is not None:
+            for length, room in sorted(sizes):
+                try:
+                    ev.factory(combo, 1, length, room)
+                except KVFastError as e:
+                    raise KVFastError(f"{combo.label()} at {length} tokens: {e}") from None
+
+
 def evaluate(ev: Evaluator, store: Store) -> None:
     from tqdm import tqdm
 
     args = ev.args
     combos = combos_of(args)
+    check_tiered(ev, combos)
     per_token = recorded_bytes_per_token(ev.model)
     framing = tasks.Framing.make(ev.tok, args.chat)
     n = min(args.samples, args.limit or args.samples)

@@ -19,7 +19,69 @@ import cache as kvcache
 from generate import Decoder
 from kv import kvzip
 from kv.pool import PoolCache
+from kv.tiers import TIER_FLAGS, resolve_tiers, tier_report
 from model import Transformer
+
+# ---- tier combos (POLICY+warm): the policy and budget with kv.tiers on -------------------------------------------
+WARM = "+warm"
+# what a +warm combo gets for a tier flag left out (kv.tiers' own defaults, --warm-tokens included: eval and bench
+# turn tiers on by the combo, not by the flag); a combo's name lists the settings that differ from these
+TIER_DEFAULTS: dict[str, float] = {"warm_tokens": 1.0, "warm_bits": 4, "page_size": 16, "recall_slots": 0.125,
+                                   "recall_interval": 32}
+# tier_report keys that do not add up over a batch's rows, kept as they are when counters are taken per sample:
+# settings, and recalls (one per layer and recall step, whatever the rows)
+TIER_SETTINGS_KEYS = ("page_size", "warm_bits", "recall_slots", "layers", "recalls")
+
+
+def add_tier_flags(parser: argparse.ArgumentParser, where: str) -> None:
+    """kv.tiers' flags (same names as generate.py's), default None so that given flags can be told apart;
+    tier_settings() fills in TIER_DEFAULTS."""
+    g = parser.add_argument_group(f"KV tiers ({where})")
+    g.add_argument("--warm-tokens", type=float, default=None,
+                   help="warm store per row and KV head: a fraction in (0, 1] of prompt + new tokens, or a number of "
+                        "tokens; when full, its oldest page is dropped (cold) (1.0)")
+    g.add_argument("--warm-bits", type=int, default=None,
+                   help="warm store precision, 8 or 4 bits per value, quantized once (4)")
+    g.add_argument("--page-size", type=int, default=None,
+                   help="tokens per warm page, the unit of demotion, scoring and recall (16)")
+    g.add_argument("--recall-slots", type=float, default=None,
+                   help="hot slots per KV head reserved for recalled pages, taken from the budget: a number of "
+                        "tokens (whole pages), or a fraction of the budget (0.125, at least one page); 0 = demote "
+                        "but never recall")
+    g.add_argument("--recall-interval", type=int, default=None,
+                   help="recall every that many positions, besides the first step after new input (32)")
+
+
+def given_tier_flags(args: argparse.Namespace) -> list[str]:
+    return [f"--{k.replace('_', '-')}" for k in TIER_FLAGS if getattr(args, k, None) is not None]
+
+
+def tier_settings(args: argparse.Namespace) -> dict[str, float]:
+    """The tier settings of a +warm combo: the flags given, TIER_DEFAULTS for the rest (TIER_FLAGS order),
+    checked (kv.tiers.resolve_tiers) as far as they can be without a length: bits, page size, signs, whole
+    numbers, an absolute warm store of at least one page. Length-dependent checks come with the caches."""
+    settings = {k: TIER_DEFAULTS[k] if getattr(args, k, None) is None else getattr(args, k) for k in TIER_FLAGS}
+    huge = 1 << 40  # no length-dependent limit can bite
+    resolve_tiers(settings["warm_tokens"], settings["warm_bits"], settings["page_size"], settings["recall_slots"],
+                  settings["recall_interval"], total=huge, hot_budget=huge, kv_bits=None)
+    return settings
+
+
+def split_combo_policy(name: str) -> tuple[str, bool]:
+    """'h2o+warm' -> ('h2o', True); 'h2o' -> ('h2o', False)."""
+    if name.endswith(WARM):
+        return name[: -len(WARM)], True
+    return name, False
+
+
+def tier_fields(caches: list[nn.Module], rows: int) -> dict[str, Any]:
+    """A tiered group's counters (kv.tiers.tier_report, read once), per sample: every amount that sums over the
+    batch's rows divided by them (so rows_heads_layers becomes KV heads x layers), settings and recalls (layers
+    x recall steps) kept; no fields without tiers."""
+    r = tier_report(caches)
+    if r is None:
+        return {}
+    return {"tier_counters": {k: v if k in TIER_SETTINGS_KEYS else v / rows for k, v in r.items()}}
 
 
 class ShadowCaches(nn.Module):
@@ -27,7 +89,13 @@ class ShadowCaches(nn.Module):
 
     Each follower receives the same tokens and the full attention restricted to its own slots (unnormalised, as
     in cold-compress's KVCacheAnalysis); its loss at step t is the attention mass on the tokens it evicted,
-    1 - sum of the full attention over the tokens it still holds, averaged over heads."""
+    1 - sum of the full attention over the tokens it still holds, averaged over heads.
+
+    Tiered followers (kv.tiers) are flushed and recall as they would alone: `tiers` is theirs, so
+    generate.Decoder calls flush() every page_size positions and recalls on its schedule; recall(q) runs their
+    recall with the model's query before the step's update. A token in a follower's recall slots is held, so
+    its loss is the attention mass on what is neither hot nor recalled. All tiered followers of one shadow
+    share one schedule (page size and recall interval); untiered ones are never flushed nor recall."""
 
     needs_attention = True
 
@@ -35,6 +103,11 @@ class ShadowCaches(nn.Module):
         super().__init__()
         self.full, self.followers = full, nn.ModuleList(followers)
         self.refresh_interval = getattr(followers[0], "refresh_interval", None)
+        self.tiered_followers = [f for f in followers if getattr(f, "tiered", False)]
+        schedules = {(f.tiers.page_size, f.tiers.recall_interval) for f in self.tiered_followers}
+        if len(schedules) > 1:
+            raise ValueError(f"tiered followers flush and recall on different schedules {schedules}")
+        self.tiers = self.tiered_followers[0].tiers if self.tiered_followers else None
         B = full.k.shape[0]
         self.register_buffer("loss", torch.zeros(len(followers), B, total_len), persistent=False)
         self.register_buffer("pos", torch.zeros(1, dtype=torch.long), persistent=False)
@@ -75,6 +148,14 @@ class ShadowCaches(nn.Module):
         for f in self.followers:
             f.refresh()
 
+    def flush(self) -> None:
+        for f in self.tiered_followers:
+            f.flush()
+
+    def recall(self, q: Tensor) -> None:
+        for f in self.tiered_followers:
+            f.recall(q)
+
 
 class MultiCache(nn.Module):
     """Several policies' caches for one layer, decoded as one batch: rows [i B, (i + 1) B) belong to member i.
@@ -96,6 +177,8 @@ class MultiCache(nn.Module):
         if any(isinstance(m, PoolCache) for m in members):
             raise ValueError("MultiCache views [B, H_kv, C, D] buffers; a pool cache decodes in a group "
                              "of its own")
+        if any(getattr(m, "tiered", False) for m in members):
+            raise ValueError("MultiCache neither flushes nor recalls; a tiered cache decodes in a group of its own")
         B, H, _, D = members[0].k.shape
         self.rows = B
         C = max(m.capacity for m in members)
@@ -154,13 +237,25 @@ def policy_params(policy: str) -> set[str]:
 class Combo:
     policy: str
     budget: float | None  # None: full, no compression
+    tiers: tuple[tuple[str, float], ...] | None = None  # POLICY+warm: kv.tiers settings (TIER_FLAGS order)
 
     @property
     def is_full(self) -> bool:
         return self.budget is None
 
+    @property
+    def name(self) -> str:
+        """The policy as results record it: h2o, h2o+warm, or h2o+warm[warm-bits=8] when tier settings differ
+        from TIER_DEFAULTS (so that cells of other settings are other cells)."""
+        if self.tiers is None:
+            return self.policy
+        changed = [f"{k.replace('_', '-')}={v:g}" for k, v in self.tiers if v != TIER_DEFAULTS[k]]
+        return self.policy + WARM + (f"[{','.join(changed)}]" if changed else "")
+
     def label(self) -> str:
-        return "full" if self.is_full else f"{self.policy}@{self.budget:g}"
+        if self.is_full:
+            return "full"
+        return f"{self.policy}@{self.budget:g}{self.name[len(self.policy):]}"
 
 
 # ---- prefill once, replay into every policy's caches -----------------------------------------------------
@@ -177,8 +272,10 @@ class Evaluator:
     # -- caches
     def factory(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> kvcache.CacheFactory:
         params = {k: v for k, v in self.args.params.items() if k in policy_params(combo.policy)}
+        tiers = dict(combo.tiers) if combo.tiers else None
         return kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new, budget=combo.budget,
-                                          dtype=self.dtype, device=self.device, tokenizer=self.tok, **params)
+                                          dtype=self.dtype, device=self.device, tokenizer=self.tok, tiers=tiers,
+                                          **params)
 
     def caches(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> list[nn.Module]:
         """One cache per layer for (combo, batch, lengths). Compiled: built once per shape and kept (the same
@@ -195,10 +292,12 @@ class Evaluator:
     def groups(self, combos: list[Combo], B: int, prompt_len: int, max_new: int) -> list[list[Combo]]:
         """Combos decoded together: full alone; pool policies (kv.pool: one [B, P, D] pool per layer, which
         MultiCache cannot view) alone; the others by budget, within --group-gb of K/V buffers and with at most
-        one refresh interval (the decode loop refreshes every member at that interval)."""
+        one refresh interval (the decode loop refreshes every member at that interval); tiered combos (+warm)
+        last, each alone (the decode loop flushes and recalls the caches it runs; MultiCache does neither)."""
         pool = [c for c in combos if not c.is_full and issubclass(kvcache.POLICIES[c.policy], PoolCache)]
+        tiered = [c for c in combos if c.tiers is not None]
         out = [[c] for c in combos if c.is_full] + [[c] for c in pool]
-        combos = [c for c in combos if c not in pool]
+        combos = [c for c in combos if c not in pool and c not in tiered]
         a = self.model.args
         slot_bytes = B * a.n_layers * 2 * a.n_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
         by_budget: dict[float, list[Combo]] = {}
@@ -220,7 +319,7 @@ class Evaluator:
                 current.append(c)
                 widest, interval = max(widest, width), interval or every
             out.append(current)
-        return out
+        return out + [[c] for c in tiered]
 
     def group_caches(self, group: list[Combo], B: int, prompt_len: int, max_new: int) -> list[nn.Module]:
         members = [self.caches(c, B, prompt_len, max_new) for c in group]

@@ -2,7 +2,8 @@
 
 Retrieval cells are mean score +- standard error over samples; fidelity cells the mean KL (nats per token),
 top-1 agreement and greedy prefix (tokens) over samples; ppl cells exp(mean NLL) over windows; attention-loss
-cells the mean evicted attention mass per token, over layers and windows.
+cells the mean evicted attention mass per token, over layers and windows. A tiered combo (kv.tiers) is a row of
+its own, named as eval.py records it (h2o+warm), right below its policy's row.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ def order_rows(records: list[dict]) -> list[tuple[str, float | None]]:
     for r in records:
         if r["policy"] not in policies:
             policies.append(r["policy"])
-    policies.sort(key=lambda p: p != "full")
+    # full first; a tiered combo (h2o+warm, kv.tiers) right after its policy, so plain and tiered sit side by side
+    bases: list[str] = []
+    for p in policies:
+        if p.split("+")[0] not in bases:
+            bases.append(p.split("+")[0])
+    policies.sort(key=lambda p: (p != "full", bases.index(p.split("+")[0]), p != p.split("+")[0]))
     budgets = sorted({r["budget"] for r in records if r["budget"] is not None}, reverse=True)
     rows = []
     for p in policies:
