@@ -19,6 +19,7 @@ import cache as kvcache
 from generate import Decoder
 from kv import kvzip
 from kv.pool import PoolCache
+from kv.tiers import DEFAULTS as TIER_FLAG_DEFAULTS
 from kv.tiers import TIER_FLAGS, resolve_tiers, tier_report
 from model import Transformer
 
@@ -26,8 +27,7 @@ from model import Transformer
 WARM = "+warm"
 # what a +warm combo gets for a tier flag left out (kv.tiers' own defaults, --warm-tokens included: eval and bench
 # turn tiers on by the combo, not by the flag); a combo's name lists the settings that differ from these
-TIER_DEFAULTS: dict[str, float] = {"warm_tokens": 1.0, "warm_bits": 4, "page_size": 16, "recall_slots": 0.125,
-                                   "recall_interval": 32}
+TIER_DEFAULTS: dict[str, float] = {"warm_tokens": 1.0, **TIER_FLAG_DEFAULTS}
 # tier_report keys that do not add up over a batch's rows, kept as they are when counters are taken per sample:
 # settings, and recalls (one per layer and recall step, whatever the rows)
 TIER_SETTINGS_KEYS = ("page_size", "warm_bits", "recall_slots", "layers", "recalls")
@@ -46,7 +46,7 @@ def add_tier_flags(parser: argparse.ArgumentParser, where: str) -> None:
                    help="tokens per warm page, the unit of demotion, scoring and recall (16)")
     g.add_argument("--recall-slots", type=float, default=None,
                    help="hot slots per KV head reserved for recalled pages, taken from the budget: a number of "
-                        "tokens (whole pages), or a fraction of the budget (0.125, at least one page); 0 = demote "
+                        "tokens (whole pages), or a fraction of the budget (0.5, at least one page); 0 = demote "
                         "but never recall")
     g.add_argument("--recall-interval", type=int, default=None,
                    help="recall every that many positions, besides the first step after new input (32)")

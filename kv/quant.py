@@ -9,6 +9,10 @@ A token is quantized once, when it is written; reads dequantize. Nothing is ever
 (no dequantize-concatenate-requantize flush as in HF's QuantizedCache), so a stored token never drifts.
 
 4-bit codes are packed two per byte: channel j in the low nibble, channel j + D/2 in the high one.
+
+quantize_channels is KIVI's key layout (Liu et al., ICML 2024): one scale and zero point per channel over a
+group of tokens, because keys have outlier channels that a per-token range spreads over every other channel.
+The warm tier (kv.tiers) uses it for keys, a page being the group.
 """
 
 from __future__ import annotations
@@ -32,16 +36,46 @@ def quantize_tokens(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tens
     zero = groups.amin(-1)
     scale = ((groups.amax(-1) - zero) / top).clamp(min=1e-6)
     codes = ((groups - zero[..., None]) / scale[..., None]).round().clamp(0, top)
-    codes = codes.to(torch.uint8).reshape(*lead, D)
+    return pack(codes.reshape(*lead, D), bits), scale, zero
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """Float codes in [0, 2^bits - 1], [..., D] -> uint8 [..., storage_width]."""
+    codes = codes.to(torch.uint8)
     if bits == 4:
+        D = codes.shape[-1]
         codes = codes[..., : D // 2] | (codes[..., D // 2 :] << 4)
-    return codes, scale, zero
+    return codes
+
+
+def unpack(codes: Tensor, bits: int) -> Tensor:
+    return torch.cat([codes & 15, codes >> 4], -1) if bits == 4 else codes
+
+
+def quantize_channels(x: Tensor, bits: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """x [..., T, D] -> codes uint8 [..., T, storage_width], scale and zero fp32 [..., 1, D]: per channel over
+    the T tokens (those where valid [..., T] is True; the others get codes but do not widen the range)."""
+    x = x.float()
+    top = 2**bits - 1
+    low, high = x, x
+    if valid is not None:
+        low = x.masked_fill(~valid.unsqueeze(-1), torch.inf)
+        high = x.masked_fill(~valid.unsqueeze(-1), -torch.inf)
+    zero = low.amin(-2, keepdim=True)
+    zero = torch.where(zero.isfinite(), zero, 0.0)  # no valid token: any range will do
+    scale = ((high.amax(-2, keepdim=True) - zero) / top).clamp(min=1e-6)
+    codes = ((x - zero) / scale).round().clamp(0, top)
+    return pack(codes, bits), scale, zero
+
+
+def dequantize_channels(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
+    """The inverse of quantize_channels: [..., T, D] in `dtype`."""
+    return (unpack(codes, bits).float() * scale + zero).to(dtype)
 
 
 def dequantize_tokens(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
     """The inverse of quantize_tokens: [..., D] in `dtype`."""
-    if bits == 4:
-        codes = torch.cat([codes & 15, codes >> 4], -1)
+    codes = unpack(codes, bits)
     *lead, D = codes.shape
     n_groups = scale.shape[-1]
     groups = codes.float().reshape(*lead, n_groups, D // n_groups)  # fp32 math, one rounding to `dtype`

@@ -5,8 +5,10 @@ HOT   the policy's slots. The last R of them (--recall-slots, whole pages) are r
       (KVCache.recall_slots): the policy never prefills, fills or evicts them; attention reads them as any slot.
       R comes out of the budget: the hot bytes are the budget's, as without tiers.
 WARM  per (row, KV head), a ring of pages of P tokens (--page-size), quantized once with kv.quant
-      (--warm-bits; with --kv-bits the hot codes are copied as they are, never re-quantized). Per page, the
-      positions and Quest's per-channel key min / max, which recall scores.
+      (--warm-bits): keys per channel over the page (KIVI's layout: a page's keys share one scale and zero
+      point per channel, so an outlier channel does not flatten the others), values per token. With --kv-bits
+      the hot codes are copied as they are, never re-quantized. Per page, the positions and Quest's
+      per-channel key min / max, which recall scores.
 COLD  a page the ring overwrites (the oldest) is dropped and counted.
 
 Per decode step, inside the compiled step, the policy's victim is copied in the hot format to a staging page
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kv.quant import dequantize_tokens, quantize_tokens, storage_width
+from kv.quant import dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens, storage_width
 from kv.slots import INF, KVCache
 from model import KVFastError
 
@@ -46,6 +48,10 @@ COUNTERS = ("demoted_tokens", "flushed_pages", "prompt_pages", "cold_pages", "co
             "recall_hits", "recall_misses")
 WARM_PARTS = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
 WARM_BITS = (8, 4)
+# what a tier flag left out means (--warm-tokens turns tiers on; eval's +warm combos default it to 1.0). Half the
+# hot budget for recall: on query-agnostic passkey (2048 tokens, h2o at 25 %) an eighth left too little room for
+# the pages a question needs (README, "Tiers")
+DEFAULTS = {"warm_bits": 4, "page_size": 16, "recall_slots": 0.5, "recall_interval": 32}
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class TierSpec:
 def resolve_tiers(warm_tokens: float, warm_bits: int | None, page_size: int | None, recall_slots: float | None,
                   recall_interval: int | None, *, total: int, hot_budget: int, kv_bits: int | None) -> TierSpec:
     """Check the tier flags against the sequence length (prompt + new tokens) and the smallest layer budget."""
-    page = 16 if page_size is None else page_size
+    page = DEFAULTS["page_size"] if page_size is None else page_size
     if page != int(page) or page < 1:
         raise KVFastError(f"--page-size must be a whole number >= 1, got {page:g}")
     page = int(page)
@@ -78,13 +84,13 @@ def resolve_tiers(warm_tokens: float, warm_bits: int | None, page_size: int | No
     if tokens < page:
         raise KVFastError(f"--warm-tokens gives a warm store of {int(tokens)} tokens per KV head, smaller than one "
                           f"page ({page} tokens, --page-size)")
-    bits = warm_bits if warm_bits is not None else (kv_bits or 4)
+    bits = warm_bits if warm_bits is not None else (kv_bits or DEFAULTS["warm_bits"])
     if bits not in WARM_BITS:
         raise KVFastError(f"--warm-bits must be {' or '.join(map(str, WARM_BITS))}, got {bits}")
     if kv_bits and bits != kv_bits:
         raise KVFastError(f"--warm-bits {bits} with --kv-bits {kv_bits}: a token is quantized once, so the warm "
                           "tier keeps the hot codes; give the same bits (or leave --warm-bits out)")
-    slots = 0.125 if recall_slots is None else recall_slots
+    slots = DEFAULTS["recall_slots"] if recall_slots is None else recall_slots
     if slots < 0:
         raise KVFastError(f"--recall-slots must be >= 0, got {slots:g}")
     if 0 < slots < 1:  # a fraction of the hot budget, in whole pages, at least one
@@ -99,7 +105,7 @@ def resolve_tiers(warm_tokens: float, warm_bits: int | None, page_size: int | No
     if slots > pages * page:
         raise KVFastError(f"--recall-slots {slots} exceed the warm store ({pages} pages of {page} tokens): nothing "
                           "could fill them")
-    interval = 32 if recall_interval is None else recall_interval
+    interval = DEFAULTS["recall_interval"] if recall_interval is None else recall_interval
     if interval != int(interval) or interval < 1:
         raise KVFastError(f"--recall-interval must be a whole number >= 1, got {interval:g}")
     return TierSpec(page, pages, bits, slots, int(interval))
@@ -117,6 +123,7 @@ class Tiers:
         self.page_size, self.warm_bits = tiers.page_size, tiers.warm_bits
         self.recall_slots, self.recall_pages = tiers.recall_slots, tiers.recall_pages
         self.warm_group = self.kv_group_size or self.head_dim
+        self.key_channels = not self.kv_bits  # keys quantized per channel over a page (else the hot codes)
         B, H, P, NP, D = self.batch_size, self.n_kv_heads, tiers.page_size, tiers.warm_pages, self.head_dim
         dev = self.device
         for name in self.kv_buffers():  # staging, in the hot format; column P is the trash for empty victims
@@ -126,9 +133,11 @@ class Tiers:
                              persistent=False)
         self.register_buffer("stage_n", torch.zeros(B, H, dtype=torch.long, device=dev), persistent=False)
         width, groups = storage_width(D, self.warm_bits), D // self.warm_group
-        for name in WARM_PARTS:
-            shape, dtype = ((width,), torch.uint8) if name in ("k", "v") else ((groups,), torch.float32)
-            self.register_buffer(f"warm_{name}", torch.zeros(B, H, NP, P, *shape, dtype=dtype, device=dev),
+        for name in WARM_PARTS:  # every part page-shaped [B, H, pages, tokens, ...]
+            shape, dtype = ((P, width), torch.uint8) if name in ("k", "v") else ((P, groups), torch.float32)
+            if self.key_channels and name in ("k_scale", "k_zero"):
+                shape = (1, D)
+            self.register_buffer(f"warm_{name}", torch.zeros(B, H, NP, *shape, dtype=dtype, device=dev),
                                  persistent=False)
         self.register_buffer("page_pos", torch.full((B, H, NP, P), -1, dtype=torch.long, device=dev),
                              persistent=False)
@@ -143,20 +152,28 @@ class Tiers:
     # ---- formats ------------------------------------------------------------------------------------------
     def page_bytes(self) -> int:
         """Bytes of one warm page of one (row, KV head): K and V codes, scales and zero points."""
-        return self.page_size * sum(getattr(self, f"warm_{n}")[0, 0, 0, 0].nbytes for n in WARM_PARTS)
+        return sum(getattr(self, f"warm_{n}")[0, 0, 0].nbytes for n in WARM_PARTS)
 
-    def warm_parts(self, hot: list[Tensor]) -> list[Tensor]:
-        """Hot-format K/V (self.kv_buffers() order) -> the warm parts: quantized once, or the hot codes."""
-        if self.kv_bits:
-            return hot
-        return [*quantize_tokens(hot[0], self.warm_bits, self.warm_group),
-                *quantize_tokens(hot[1], self.warm_bits, self.warm_group)]
+    def quantize_pages(self, k: Tensor, v: Tensor, pos: Tensor) -> list[Tensor]:
+        """Pages of K/V [B, H, pages, P, D] (positions pos [B, H, pages, P], -1 = empty) -> the warm parts."""
+        if self.key_channels:
+            keys = quantize_channels(k, self.warm_bits, pos >= 0)
+        else:
+            keys = quantize_tokens(k, self.warm_bits, self.warm_group)
+        return [*keys, *quantize_tokens(v, self.warm_bits, self.warm_group)]
+
+    def warm_parts(self, hot: list[Tensor], pos: Tensor) -> list[Tensor]:
+        """Hot-format K/V pages (self.kv_buffers() order) -> the warm parts: quantized once, or the hot codes."""
+        return hot if self.kv_bits else self.quantize_pages(hot[0], hot[1], pos)
+
+    def dequantize_keys(self, parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+        dequantize = dequantize_channels if self.key_channels else dequantize_tokens
+        return dequantize(*parts, self.warm_bits, dtype)
 
     def hot_parts(self, warm: list[Tensor]) -> list[Tensor]:
         if self.kv_bits:
             return warm
-        return [dequantize_tokens(*warm[:3], self.warm_bits, self.dtype),
-                dequantize_tokens(*warm[3:], self.warm_bits, self.dtype)]
+        return [self.dequantize_keys(warm[:3], self.dtype), dequantize_tokens(*warm[3:], self.warm_bits, self.dtype)]
 
     def count(self, name: str, value: Tensor | int) -> None:
         self.traffic[COUNTERS.index(name)] += value
@@ -190,28 +207,28 @@ class Tiers:
         pages = math.ceil((S - n) / P)
         pad = pages * P - (S - n)
         pos = torch.cat([drop, drop.new_full((B, H, pad), -1)], dim=-1)
-        index = pos.clamp(min=0).unsqueeze(-1).expand(B, H, pages * P, D)
-        parts = [*quantize_tokens(k.gather(2, index), self.warm_bits, self.warm_group),
-                 *quantize_tokens(v.gather(2, index), self.warm_bits, self.warm_group)]
-        self.count("demoted_tokens", B * H * (S - n))
         cold = max(pages - NP, 0)  # the oldest pages do not fit the ring: straight to cold
+        kept = pages - cold
+        pos = pos[:, :, cold * P :]
+        index = pos.clamp(min=0).unsqueeze(-1).expand(B, H, kept * P, D)
+        pos = pos.unflatten(2, (kept, P))
+        parts = self.quantize_pages(k.gather(2, index).unflatten(2, (kept, P)),
+                                    v.gather(2, index).unflatten(2, (kept, P)), pos)
+        self.count("demoted_tokens", B * H * (S - n))
         if cold:
             self.count("cold_pages", B * H * cold)
             self.count("cold_tokens", B * H * cold * P)
-        kept = pages - cold
-        parts = [value[:, :, cold * P :] for value in parts]
         for name, value in zip(WARM_PARTS, parts):
-            getattr(self, f"warm_{name}")[:, :, :kept] = value.unflatten(2, (kept, P))
-        pos = pos[:, :, cold * P :].unflatten(2, (kept, P))
+            getattr(self, f"warm_{name}")[:, :, :kept] = value
         self.page_pos[:, :, :kept] = pos
-        self.page_kmin[:, :, :kept], self.page_kmax[:, :, :kept] = self.key_bounds(parts[:3], pos, kept)
+        self.page_kmin[:, :, :kept], self.page_kmax[:, :, :kept] = self.key_bounds(parts[:3], pos)
         self.page_ptr.fill_(kept % NP)
         self.count("prompt_pages", B * H * kept)
 
-    def key_bounds(self, key_parts: list[Tensor], pos: Tensor, pages: int) -> tuple[Tensor, Tensor]:
+    def key_bounds(self, key_parts: list[Tensor], pos: Tensor) -> tuple[Tensor, Tensor]:
         """Per page, the min and max over its tokens of each channel of the keys as recall will install them
-        (dequantized): key_parts [B, H, pages * P, ...], pos [B, H, pages, P] (-1 = no token)."""
-        keys = dequantize_tokens(*key_parts, self.warm_bits, torch.float32).unflatten(2, (pages, self.page_size))
+        (dequantized): key_parts page-shaped [B, H, pages, P or 1, ...], pos [B, H, pages, P] (-1 = no token)."""
+        keys = self.dequantize_keys(key_parts, torch.float32)
         empty = (pos < 0).unsqueeze(-1)
         return keys.masked_fill(empty, INF).amin(3), keys.masked_fill(empty, -INF).amax(3)
 
@@ -246,30 +263,28 @@ class Tiers:
         P = self.page_size
         has = self.stage_n > 0
         empty = torch.arange(P, device=has.device) >= self.stage_n.unsqueeze(-1)
-        pos = self.stage_pos[..., :P].masked_fill(empty, -1)
-        parts = self.warm_parts([getattr(self, f"stage_{n}")[:, :, :P] for n in self.kv_buffers()])
+        pos = self.stage_pos[..., :P].masked_fill(empty, -1).unsqueeze(2)
+        parts = self.warm_parts([getattr(self, f"stage_{n}")[:, :, :P].unsqueeze(2) for n in self.kv_buffers()], pos)
         self.write_page(parts, pos, has)
         self.count("flushed_pages", has.sum())
         self.stage_n.zero_()
         self.stage_pos.fill_(-1)
 
     def write_page(self, parts: list[Tensor], pos: Tensor, has: Tensor) -> None:
-        """Write one page (warm parts [B, H, P, ...], positions [B, H, P]) where has [B, H], at the ring's
-        pointer; the page it replaces goes cold, and so does a recalled copy of it."""
-        B, H, P = pos.shape
+        """Write one page (page-shaped warm parts [B, H, 1, ...], positions [B, H, 1, P]) where has [B, H], at
+        the ring's pointer; the page it replaces goes cold, and so does a recalled copy of it."""
+        B, H, _, P = pos.shape
         ptr = self.page_ptr
         old = self.page_pos.gather(2, ptr.view(B, H, 1, 1).expand(B, H, 1, P)).squeeze(2)
         old_tokens = (old >= 0).sum(-1) * has
         self.count("cold_pages", (old_tokens > 0).sum())
         self.count("cold_tokens", old_tokens.sum())
-        kmin, kmax = self.key_bounds(parts[:3], pos.unsqueeze(2), 1)
+        kmin, kmax = self.key_bounds(parts[:3], pos)
         for buffer, value in [*((getattr(self, f"warm_{n}"), p) for n, p in zip(WARM_PARTS, parts)),
-                              (self.page_pos, pos), (self.page_kmin, kmin.squeeze(2)),
-                              (self.page_kmax, kmax.squeeze(2))]:
-            shape = (B, H, 1, *value.shape[2:])
-            index = ptr.view(B, H, *(1,) * (len(shape) - 2)).expand(shape)
-            new = torch.where(has.view(B, H, *(1,) * (len(shape) - 2)), value.unsqueeze(2), buffer.gather(2, index))
-            buffer.scatter_(2, index, new)
+                              (self.page_pos, pos), (self.page_kmin, kmin), (self.page_kmax, kmax)]:
+            ones = (1,) * (value.dim() - 2)
+            index = ptr.view(B, H, *ones).expand(value.shape)
+            buffer.scatter_(2, index, torch.where(has.view(B, H, *ones), value, buffer.gather(2, index)))
         if self.recall_pages:
             stale = (self.recall_page == ptr.unsqueeze(-1)) & has.unsqueeze(-1)
             self.recall_page.masked_fill_(stale, -1)
@@ -311,10 +326,9 @@ class Tiers:
         warm = []
         for name in WARM_PARTS:
             buffer = getattr(self, f"warm_{name}")
-            index = at.view(B, H, K, 1, 1).expand(B, H, K, P, buffer.shape[-1])
-            warm.append(buffer.gather(2, index).flatten(2, 3))
+            warm.append(buffer.gather(2, at.view(B, H, K, 1, 1).expand(B, H, K, *buffer.shape[3:])))
         for name, value in zip(self.kv_buffers(), self.hot_parts(warm)):
-            getattr(self, name)[:, :, -R:] = value
+            getattr(self, name)[:, :, -R:] = value.flatten(2, 3)
         pos = self.page_pos.gather(2, at.unsqueeze(-1).expand(B, H, K, P))
         self.slot_pos[:, :, -R:] = pos.masked_fill((pages < 0).unsqueeze(-1), -1).flatten(2)
         self.recall_page.copy_(pages)
@@ -325,15 +339,16 @@ class Tiers:
         super().synthetic_state(generator)
         self.reset_tiers()
         B, H, NP, P = self.page_pos.shape
-        shape = (B, H, NP * P, self.head_dim)
+        shape = (B, H, NP, P, self.head_dim)
         k, v = (torch.randn(shape, generator=generator).to(self.device) for _ in "kv")
-        parts = [*quantize_tokens(k, self.warm_bits, self.warm_group), *quantize_tokens(v, self.warm_bits, self.warm_group)]
-        for name, value in zip(WARM_PARTS, parts):
-            getattr(self, f"warm_{name}").copy_(value.unflatten(2, (NP, P)))
         pos = (self.n_sinks + torch.arange(NP * P, device=self.device)).view(1, 1, NP, P).expand(B, H, NP, P)
+        parts = self.quantize_pages(k, v, pos)
+        for name, value in zip(WARM_PARTS, parts):
+            getattr(self, f"warm_{name}").copy_(value)
         self.page_pos.copy_(pos)
-        self.page_kmin.copy_(self.key_bounds(parts[:3], pos, NP)[0])
-        self.page_kmax.copy_(self.key_bounds(parts[:3], pos, NP)[1])
+        kmin, kmax = self.key_bounds(parts[:3], pos)
+        self.page_kmin.copy_(kmin)
+        self.page_kmax.copy_(kmax)
 
     # ---- reporting (read once at the end) ------------------------------------------------------------------
     def kept(self) -> Tensor:
@@ -424,7 +439,7 @@ def add_tier_args(parser) -> None:
                    help="tokens per warm page, the unit of demotion, scoring and recall (16)")
     g.add_argument("--recall-slots", type=float, default=None,
                    help="hot slots per KV head reserved for recalled pages, taken from the budget: a number of "
-                        "tokens (whole pages), or a fraction of the budget (0.125, at least one page); 0 = "
+                        "tokens (whole pages), or a fraction of the budget (0.5, at least one page); 0 = "
                         "demote but never recall")
     g.add_argument("--recall-interval", type=int, default=None,
                    help="recall every that many positions, besides the first step after new input (32)")

@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 import cache as kvcache
 from generate import Decoder
-from kv.quant import dequantize_tokens, quantize_tokens
+from kv.quant import dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -24,6 +24,25 @@ def test_round_trip_is_within_half_a_step_per_group(bits, group_size):
     back = dequantize_tokens(codes, scale, zero, bits, torch.float32)
     step = scale.float().repeat_interleave(group_size, -1)
     assert torch.all((back - x).abs() <= step / 2 * (1 + 1e-4))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_per_channel_round_trip_ignores_the_tokens_left_out(bits):
+    """KIVI's key layout: one range per channel over a group of tokens; tokens marked invalid (an unfilled page)
+    neither widen the range nor break the codes of the others."""
+    x = torch.randn(2, 3, 16, 64) * torch.logspace(-2, 1, 64)  # an outlier-channel spread, as keys have
+    valid = torch.rand(2, 3, 16) < 0.7
+    valid[..., 0] = True
+    junk = x.masked_fill(~valid.unsqueeze(-1), 1e6)  # what an empty slot may hold
+    codes, scale, zero = quantize_channels(junk, bits, valid)
+    assert codes.shape == (2, 3, 16, 64 if bits == 8 else 32) and scale.shape == zero.shape == (2, 3, 1, 64)
+    back = dequantize_channels(codes, scale, zero, bits, torch.float32)
+    inside = valid.unsqueeze(-1)
+    assert torch.all(((back - x).abs() <= scale / 2 * (1 + 1e-4)) | ~inside)
+    lo = x.masked_fill(~inside, torch.inf).amin(-2, keepdim=True)
+    hi = x.masked_fill(~inside, -torch.inf).amax(-2, keepdim=True)
+    torch.testing.assert_close(zero, lo)
+    torch.testing.assert_close(scale, ((hi - lo) / (2**bits - 1)).clamp(min=1e-6))
 
 
 def test_four_bit_layout():

@@ -19,7 +19,7 @@ from torch import Tensor
 import generate
 from cache import make_cache_factory
 from generate import Decoder
-from kv.quant import dequantize_tokens, quantize_tokens, storage_width
+from kv.quant import dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens, storage_width
 from kv.tiers import tier_report
 from model import KVFastError, attend
 
@@ -117,6 +117,9 @@ class Driver:
 
     @staticmethod
     def quantized(x: Tensor, c) -> Tensor:
+        """A page's keys [n, D] as the warm tier keeps them: per channel over the page, or per token."""
+        if c.key_channels:
+            return dequantize_channels(*quantize_channels(x, c.warm_bits), c.warm_bits, torch.float32)
         return dequantize_tokens(*quantize_tokens(x, c.warm_bits, c.warm_group), c.warm_bits, torch.float32)
 
     def check(self) -> None:
@@ -166,7 +169,9 @@ def test_every_token_in_one_tier_and_counters_exact(config):
         run.step(recall=r)
         run.check()
     counts = tier_report([cache])
-    page_bytes = page * 2 * (storage_width(D, cache.warm_bits) + 2 * 4 * (D // cache.warm_group))
+    scales = 2 * 4 * (D // cache.warm_group)  # a token's scale and zero point per group, fp32
+    assert cache.key_channels  # keys: a scale and zero point per channel per page
+    page_bytes = page * (2 * storage_width(D, cache.warm_bits) + scales) + 2 * 4 * D
     assert counts["demoted_tokens"] == run.demoted
     assert counts["flushed_pages"] == run.flushed
     assert counts["recall_misses"] == run.misses
@@ -194,6 +199,11 @@ def test_recalled_tokens_are_quantized_once(kv_bits):
         valid = (pos >= 0).unsqueeze(-1)
         if kv_bits:
             assert torch.equal(getattr(cache, name)[..., region, :] * valid, codes * valid)
+        elif name == "k":  # per channel over each recalled page (KIVI), empty entries left out of the range
+            pages = (cache.recall_pages, cache.page_size)
+            parts = quantize_channels(original.unflatten(2, pages), bits, (pos >= 0).unflatten(2, pages))
+            expected = dequantize_channels(*parts, bits, torch.float32).flatten(2, 3)
+            torch.testing.assert_close(getattr(cache, name)[..., region, :] * valid, expected * valid)
         else:
             expected = dequantize_tokens(codes, scale, zero, bits, torch.float32)
             torch.testing.assert_close(getattr(cache, name)[..., region, :] * valid, expected * valid)
