@@ -211,7 +211,9 @@ class TOVACache(KVCache):
         self.add_state("last_attn", (self.batch_size, self.n_kv_heads, self.capacity))
 
     def layer_scores(self, per_group: Tensor) -> Tensor:
-        aligned = (self.slot_pos == self.slot_pos[:, :1]).flatten(1).all(dim=1).view(-1, 1, 1)
+        # the policy's own slots only: recall slots (kv.tiers) hold each KV head's own pages
+        own = self.slot_pos[..., : self.capacity - self.recall_slots]
+        aligned = (own == own[:, :1]).flatten(1).all(dim=1).view(-1, 1, 1)
         return torch.where(aligned, per_group.mean(dim=1, keepdim=True).expand_as(per_group), per_group)
 
     def slot_scores(self, input_pos: Tensor) -> Tensor:

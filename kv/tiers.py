@@ -412,8 +412,8 @@ def format_tier_report(r: dict[str, int] | None) -> list[str]:
     rate = f"{r['recall_hits'] / recalls:.0%} hits" if recalls else "none recalled"
     hot = (f"tiers: tokens per (row, KV head, layer): hot {r['hot_tokens'] / per:.1f}, warm "
            f"{r['warm_tokens'] / per:.1f} ({r['warm_bits']}-bit pages of {r['page_size']}), cold "
-           f"{r['cold_tokens'] / per:.1f}; {r['recalled_tokens'] / per:.1f} of them in the {r['recall_slots']} "
-           "recall slots")
+           f"{r['cold_tokens'] / per:.1f}; plus {r['recalled_tokens'] / per:.1f} copies of warm tokens in the "
+           f"{r['recall_slots']} recall slots")
     moved = (f"tiers: warm store {r['warm_bytes'] / 1e6:.2f} MB; moved hot->warm "
              f"{r['hot_to_warm_bytes'] / 1e6:.3f} MB ({r['prompt_pages']} prompt pages + {r['flushed_pages']} "
              f"flushed), warm->hot {r['warm_to_hot_bytes'] / 1e6:.3f} MB; {r['demoted_tokens']} tokens demoted, "

@@ -305,3 +305,17 @@ def test_cli_prints_tier_counters_and_rejects_bad_flags(tmp_path, capsys):
         assert generate.cli(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_tova_keeps_one_set_per_layer_beside_per_head_recalls():
+    """TOVA scores a layer's slots together while its KV heads hold the same tokens; each head recalling its own
+    pages into the recall slots must not make it fall back to per-head eviction."""
+    cache = tier_cache("tova", 24, 40, 20, page=2, recall=4)
+    run = Driver(cache, 24, seed=5)
+    managed = cache.capacity - cache.recall_slots
+    for i in range(40):
+        run.step(recall=i % 3 == 0)
+        own = cache.slot_pos[..., :managed]
+        assert torch.equal(own, own[:, :1].expand_as(own)), f"KV heads' kept sets differ after step {i}"
+    recalled = cache.slot_pos[..., managed:]
+    assert (recalled >= 0).any() and not torch.equal(recalled[:, 0], recalled[:, 1])  # the heads did differ
