@@ -239,15 +239,15 @@ class Tiers:
         return self.insert(slot, input_pos, k, v)
 
     def stage(self, slot: Tensor) -> None:
-        """Copy the token in slot [B, H_kv] (about to be overwritten) to its head's staging page."""
+        """Copy the token in slot [B, H_kv] (about to be overwritten) to its head's staging page. stage_n counts
+        the victims since the last flush; one that finds the page full (never, when flush() runs on schedule) is
+        lost, and flush() counts it cold. The counters are updated there, not here: fewer ops per step."""
         B, H = slot.shape
         at = slot.view(B, H, 1)
         victim = self.slot_pos.gather(2, at)
         valid = victim >= 0
-        room = self.stage_n.unsqueeze(-1) < self.page_size  # always, when flush() runs on schedule
+        room = self.stage_n.unsqueeze(-1) < self.page_size
         column = torch.where(valid & room, self.stage_n.unsqueeze(-1), self.page_size)
-        self.count("cold_tokens", (valid & ~room).sum())  # a victim that finds no room is lost: counted cold
-        valid = valid & room
         for name in self.kv_buffers():
             hot, stage = getattr(self, name), getattr(self, f"stage_{name}")
             width = hot.shape[-1]
@@ -255,7 +255,10 @@ class Tiers:
                            hot.gather(2, at.unsqueeze(-1).expand(B, H, 1, width)))
         self.stage_pos.scatter_(2, column, victim)
         self.stage_n.add_(valid.squeeze(-1).long())
-        self.count("demoted_tokens", valid.sum())
+
+    def staged(self) -> tuple[Tensor, Tensor]:
+        """Victims since the last flush [B, H]: those in the staging page, and those lost for want of room."""
+        return self.stage_n.clamp(max=self.page_size), (self.stage_n - self.page_size).clamp(min=0)
 
     def flush(self) -> None:
         """Each (row, KV head)'s staged tokens become one warm page (called every page_size steps, so a staging
@@ -266,6 +269,9 @@ class Tiers:
         pos = self.stage_pos[..., :P].masked_fill(empty, -1).unsqueeze(2)
         parts = self.warm_parts([getattr(self, f"stage_{n}")[:, :, :P].unsqueeze(2) for n in self.kv_buffers()], pos)
         self.write_page(parts, pos, has)
+        staged, lost = self.staged()
+        self.count("demoted_tokens", staged.sum())
+        self.count("cold_tokens", lost.sum())
         self.count("flushed_pages", has.sum())
         self.stage_n.zero_()
         self.stage_pos.fill_(-1)
@@ -365,9 +371,12 @@ class Tiers:
     def tier_counts(self) -> dict[str, int]:
         """This layer's tokens per tier and traffic counters, summed over rows and KV heads."""
         counts = dict(zip(COUNTERS, self.traffic.tolist()))
+        staged, lost = self.staged()  # not flushed yet: demoted (or lost) all the same
+        counts["demoted_tokens"] += int(staged.sum())
+        counts["cold_tokens"] += int(lost.sum())
         counts["hot_tokens"] = int(self.kept().sum())
         counts["recalled_tokens"] = int((self.slot_pos[..., self.capacity - self.recall_slots :] >= 0).sum())
-        counts["warm_tokens"] = int((self.page_pos >= 0).sum() + self.stage_n.sum())
+        counts["warm_tokens"] = int((self.page_pos >= 0).sum() + staged.sum())
         page = self.page_bytes()
         counts["hot_to_warm_bytes"] = (counts["flushed_pages"] + counts["prompt_pages"]) * page
         counts["warm_to_hot_bytes"] = counts["recall_misses"] * page
