@@ -20,7 +20,7 @@ from generate import Decoder
 from kv import kvzip
 from kv.pool import PoolCache
 from kv.tiers import DEFAULTS as TIER_FLAG_DEFAULTS
-from kv.tiers import TIER_FLAGS, resolve_tiers, tier_report
+from kv.tiers import TIER_FLAGS, add_tier_args, resolve_tiers, tier_report
 from model import Transformer
 
 # ---- tier combos (POLICY+warm): the policy and budget with kv.tiers on -------------------------------------------
@@ -36,20 +36,7 @@ TIER_SETTINGS_KEYS = ("page_size", "warm_bits", "recall_slots", "layers", "recal
 def add_tier_flags(parser: argparse.ArgumentParser, where: str) -> None:
     """kv.tiers' flags (same names as generate.py's), default None so that given flags can be told apart;
     tier_settings() fills in TIER_DEFAULTS."""
-    g = parser.add_argument_group(f"KV tiers ({where})")
-    g.add_argument("--warm-tokens", type=float, default=None,
-                   help="warm store per row and KV head: a fraction in (0, 1] of prompt + new tokens, or a number of "
-                        "tokens; when full, its oldest page is dropped (cold) (1.0)")
-    g.add_argument("--warm-bits", type=int, default=None,
-                   help="warm store precision, 8 or 4 bits per value, quantized once (4)")
-    g.add_argument("--page-size", type=int, default=None,
-                   help="tokens per warm page, the unit of demotion, scoring and recall (16)")
-    g.add_argument("--recall-slots", type=float, default=None,
-                   help="hot slots per KV head reserved for recalled pages, taken from the budget: a number of "
-                        "tokens (whole pages), or a fraction of the budget (0.5, at least one page); 0 = demote "
-                        "but never recall")
-    g.add_argument("--recall-interval", type=int, default=None,
-                   help="recall every that many positions, besides the first step after new input (32)")
+    add_tier_args(parser, f"KV tiers ({where})", warm_tokens_help="with a +warm combo (default 1.0): ")
 
 
 def given_tier_flags(args: argparse.Namespace) -> list[str]:

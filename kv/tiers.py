@@ -435,23 +435,27 @@ def format_tier_report(r: dict[str, int] | None) -> list[str]:
 TIER_FLAGS = ("warm_tokens", "warm_bits", "page_size", "recall_slots", "recall_interval")
 
 
-def add_tier_args(parser) -> None:
-    """The tier flags (argparse); all default to None: tiers are on when --warm-tokens is given."""
-    g = parser.add_argument_group("KV tiers (demote evicted tokens to a quantized warm store, recall them)")
+def add_tier_args(parser, title: str = "KV tiers (demote evicted tokens to a quantized warm store, recall them)",
+                  warm_tokens_help: str = "turn tiers on: ") -> None:
+    """The tier flags (argparse), all defaulting to None: generate.py turns tiers on by --warm-tokens; eval.py
+    and bench.py by a +warm combo, and tell given flags from DEFAULTS."""
+    g = parser.add_argument_group(title)
     g.add_argument("--warm-tokens", type=float, default=None,
-                   help="turn tiers on: evicted tokens go to a warm store of this many tokens per row and KV head "
-                        "(a fraction in (0, 1] of prompt + new tokens, or a number); when full, its oldest page "
-                        "is dropped (cold)")
+                   help=f"{warm_tokens_help}evicted tokens go to a warm store of this many tokens per row and KV "
+                        "head (a fraction in (0, 1] of prompt + new tokens, or a number); when full, its oldest "
+                        "page is dropped (cold)")
     g.add_argument("--warm-bits", type=int, default=None,
-                   help="warm store precision, 8 or 4 bits per value, quantized once (default: --kv-bits, else 4)")
+                   help="warm store precision, 8 or 4 bits per value, quantized once (default: --kv-bits if "
+                        f"given, else {DEFAULTS['warm_bits']})")
     g.add_argument("--page-size", type=int, default=None,
-                   help="tokens per warm page, the unit of demotion, scoring and recall (16)")
+                   help=f"tokens per warm page, the unit of demotion, scoring and recall ({DEFAULTS['page_size']})")
     g.add_argument("--recall-slots", type=float, default=None,
                    help="hot slots per KV head reserved for recalled pages, taken from the budget: a number of "
-                        "tokens (whole pages), or a fraction of the budget (0.5, at least one page); 0 = "
-                        "demote but never recall")
+                        f"tokens (whole pages), or a fraction of the budget ({DEFAULTS['recall_slots']}, at least "
+                        "one page); 0 = demote but never recall")
     g.add_argument("--recall-interval", type=int, default=None,
-                   help="recall every that many positions, besides the first step after new input (32)")
+                   help="recall every that many positions, besides the first step after new input "
+                        f"({DEFAULTS['recall_interval']})")
 
 
 def check_tiers_for(policy: type[KVCache]) -> None:
