@@ -503,32 +503,17 @@ def plan(args: argparse.Namespace, combos: list[Combo]) -> int:
     return total
 
 
-def check_tiered(ev: Evaluator, combos: list[Combo]) -> None:
-    """Tier settings that do not fit a length and budget (a warm store smaller than a page, recall slots that
-    take the whole hot budget) fail here, in one line, before any work."""
-    args = ev.args
-    sizes = set()
-    if any(t in args.tasks for t in tasks.RETRIEVAL_TASKS):
-        sizes |= {(L, args.answer_room) for L in args.lengths}
-    if "fidelity" in args.tasks:
-        sizes |= {(L, args.answer_room) for L in args.fidelity_lengths}
-    if any(t in args.tasks for t in ("ppl", "attention-loss")):
-        sizes.add((args.ppl_length, 0))
-    for combo in combos:
-        if combo.tiers is not None:
-            for length, room in sorted(sizes):
-                try:
-                    ev.factory(combo, 1, length, room)
-                except KVFastError as e:
-                    raise KVFastError(f"{combo.label()} at {length} tokens: {e}") from None
-
-
 def evaluate(ev: Evaluator, store: Store) -> None:
     from tqdm import tqdm
 
     args = ev.args
     combos = combos_of(args)
-    check_tiered(ev, combos)
+    sizes = {(L, args.answer_room) for L in args.lengths} if set(args.tasks) & set(tasks.RETRIEVAL_TASKS) else set()
+    if "fidelity" in args.tasks:
+        sizes |= {(L, args.answer_room) for L in args.fidelity_lengths}
+    if {"ppl", "attention-loss"} & set(args.tasks):
+        sizes.add((args.ppl_length, 0))
+    ev.check_tiered(combos, sizes)
     per_token = recorded_bytes_per_token(ev.model)
     framing = tasks.Framing.make(ev.tok, args.chat)
     n = min(args.samples, args.limit or args.samples)

@@ -21,7 +21,7 @@ from kv import kvzip
 from kv.pool import PoolCache
 from kv.tiers import DEFAULTS as TIER_FLAG_DEFAULTS
 from kv.tiers import TIER_FLAGS, add_tier_args, resolve_tiers, tier_report
-from model import Transformer
+from model import KVFastError, Transformer
 
 # ---- tier combos (POLICY+warm): the policy and budget with kv.tiers on -------------------------------------------
 WARM = "+warm"
@@ -263,6 +263,17 @@ class Evaluator:
         return kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new, budget=combo.budget,
                                           dtype=self.dtype, device=self.device, tokenizer=self.tok, tiers=tiers,
                                           **params)
+
+    def check_tiered(self, combos: list[Combo], sizes: set[tuple[int, int]]) -> None:
+        """Tier settings that do not fit a (prompt length, new tokens) size (a warm store smaller than a page,
+        recall slots that take the whole hot budget) fail here, in one line, before any work."""
+        for combo in combos:
+            if combo.tiers is not None:
+                for length, room in sorted(sizes):
+                    try:
+                        self.factory(combo, 1, length, room)
+                    except KVFastError as e:
+                        raise KVFastError(f"{combo.label()} at {length} tokens: {e}") from None
 
     def caches(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> list[nn.Module]:
         """One cache per layer for (combo, batch, lengths). Compiled: built once per shape and kept (the same
