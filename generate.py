@@ -157,8 +157,11 @@ class Decoder:
         each step's logits. Returns the generated tokens [B, <=n].
 
         Tiers (kv.tiers): staged victims are flushed to warm pages every page_size positions; a step recalls
-        warm pages for its query first when it is the first of this call (new input arrived: the prompt or a
-        fed chunk), the last token of a fed chunk (whose logits start the answer) or on the recall interval."""
+        warm pages for its query first when its input is new: the first step of a call and every step of a fed
+        chunk (each token of a question read through the decode step needs the context it asks about, not only
+        the last one: on query-agnostic passkey, recalling at the chunk's first and last tokens alone lost the
+        needle in a quarter of the samples that recalling at each token found), and while generating, every
+        recall_interval positions."""
         out = []
         input_pos = torch.tensor([start_pos], dtype=torch.long, device=x.device)
         interval, tiers = self.refresh_interval(), self.tiers()
@@ -170,7 +173,7 @@ class Decoder:
             if tiers:
                 if pos % tiers.page_size == 0:
                     self.flush(self.model)
-                if i == 0 or (forced is not None and i == n - 1) or pos % tiers.recall_interval == 0:
+                if i == 0 or forced is not None or pos % tiers.recall_interval == 0:
                     step = self.step_recall
             x_next, logits = step(self.model, x, input_pos, temperature, top_k)
             # with CUDA graphs the step's outputs live in memory the next replay overwrites: copy them out

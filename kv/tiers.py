@@ -8,14 +8,14 @@ WARM  per (row, KV head), a ring of pages of P tokens (--page-size), quantized o
       (--warm-bits): keys per channel over the page (KIVI's layout: a page's keys share one scale and zero
       point per channel, so an outlier channel does not flatten the others), values per token. With --kv-bits
       the hot codes are copied as they are, never re-quantized. Per page, the positions and Quest's
-      per-channel key min / max, which recall scores.
+      per-channel key min / max, which recall scores (the per-channel zero point and top code: not stored twice).
 COLD  a page the ring overwrites (the oldest) is dropped and counted.
 
 Per decode step, inside the compiled step, the policy's victim is copied in the hot format to a staging page
 (one column per step; an empty victim goes to a trash column). Every P steps the loop calls flush(), compiled
 separately: each (row, head)'s staged tokens become one warm page. On recall steps (generate.Decoder: the
-first step of every decode call, i.e. after the prompt or a fed chunk arrives, the last token of a fed chunk,
-and every --recall-interval positions) each layer scores its warm pages against the current query before it
+first step of every decode call, every token of a fed chunk such as a question, and every --recall-interval
+positions while generating) each layer scores its warm pages against the current query before it
 attends: Quest's bound sum over channels of max(q kmin, q kmax), max over the GQA group; the top R / P pages
 per (row, KV head) take the recall slots. A page already there is a hit and keeps its slots; misses fill the
 freed ones. Prefill with prompt compression demotes the prompt tokens it drops straight to warm pages, in
@@ -48,10 +48,16 @@ COUNTERS = ("demoted_tokens", "flushed_pages", "prompt_pages", "cold_pages", "co
             "recall_hits", "recall_misses")
 WARM_PARTS = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
 WARM_BITS = (8, 4)
-# what a tier flag left out means (--warm-tokens turns tiers on; eval's +warm combos default it to 1.0). Half the
-# hot budget for recall: on query-agnostic passkey (2048 tokens, h2o at 25 %) an eighth left too little room for
-# the pages a question needs (README, "Tiers")
-DEFAULTS = {"warm_bits": 4, "page_size": 16, "recall_slots": 0.5, "recall_interval": 32}
+# scales and zero points of warm pages: fp16 halves what they cost (at pages of 4 tokens the keys' per-channel pair
+# would be 4x their 4-bit codes in fp32). Codes are computed with the fp32 ones and only the stored pair is
+# rounded, so compiled and eager store the same codes (kv.quant's note) and a page's bounds stay exact bounds of
+# the keys recall installs (code x scale + zero with codes in [0, top])
+WARM_SCALE_DTYPE = torch.float16
+# what a tier flag left out means (--warm-tokens turns tiers on; eval's +warm combos default it to 1.0). Measured on
+# query-agnostic passkey and niah_multikey (2048 tokens, h2o and window at 25 %; README, "Tiers"): pages of 4
+# tokens (16 caught half a needle and missed the digits that follow), three quarters of the hot budget for
+# recall, and a recall at every step (a 7-digit value crosses pages while it is being copied; every 4 steps lost it)
+DEFAULTS = {"warm_bits": 4, "page_size": 4, "recall_slots": 0.75, "recall_interval": 1}
 
 
 @dataclass(frozen=True)
@@ -134,15 +140,17 @@ class Tiers:
         self.register_buffer("stage_n", torch.zeros(B, H, dtype=torch.long, device=dev), persistent=False)
         width, groups = storage_width(D, self.warm_bits), D // self.warm_group
         for name in WARM_PARTS:  # every part page-shaped [B, H, pages, tokens, ...]
-            shape, dtype = ((P, width), torch.uint8) if name in ("k", "v") else ((P, groups), torch.float32)
+            scale_dtype = torch.float32 if self.kv_bits else WARM_SCALE_DTYPE  # --kv-bits: the hot codes' own
+            shape, dtype = ((P, width), torch.uint8) if name in ("k", "v") else ((P, groups), scale_dtype)
             if self.key_channels and name in ("k_scale", "k_zero"):
                 shape = (1, D)
             self.register_buffer(f"warm_{name}", torch.zeros(B, H, NP, *shape, dtype=dtype, device=dev),
                                  persistent=False)
         self.register_buffer("page_pos", torch.full((B, H, NP, P), -1, dtype=torch.long, device=dev),
                              persistent=False)
-        for name in ("page_kmin", "page_kmax"):  # Quest's summaries, of the keys as recall installs them
-            self.register_buffer(name, torch.zeros(B, H, NP, D, device=dev), persistent=False)
+        if not self.key_channels:  # Quest's summaries of the hot codes; per-channel pages carry them (page_bounds)
+            for name in ("page_kmin", "page_kmax"):
+                self.register_buffer(name, torch.zeros(B, H, NP, D, device=dev), persistent=False)
         self.register_buffer("page_ptr", torch.zeros(B, H, dtype=torch.long, device=dev), persistent=False)
         self.register_buffer("recall_page", torch.full((B, H, tiers.recall_pages), -1, dtype=torch.long,
                                                        device=dev), persistent=False)
@@ -160,7 +168,8 @@ class Tiers:
             keys = quantize_channels(k, self.warm_bits, pos >= 0)
         else:
             keys = quantize_tokens(k, self.warm_bits, self.warm_group)
-        return [*keys, *quantize_tokens(v, self.warm_bits, self.warm_group)]
+        parts = [*keys, *quantize_tokens(v, self.warm_bits, self.warm_group)]
+        return [p.to(getattr(self, f"warm_{n}").dtype) for n, p in zip(WARM_PARTS, parts)]
 
     def warm_parts(self, hot: list[Tensor], pos: Tensor) -> list[Tensor]:
         """Hot-format K/V pages (self.kv_buffers() order) -> the warm parts: quantized once, or the hot codes."""
@@ -221,13 +230,24 @@ class Tiers:
         for name, value in zip(WARM_PARTS, parts):
             getattr(self, f"warm_{name}")[:, :, :kept] = value
         self.page_pos[:, :, :kept] = pos
-        self.page_kmin[:, :, :kept], self.page_kmax[:, :, :kept] = self.key_bounds(parts[:3], pos)
+        if not self.key_channels:
+            self.page_kmin[:, :, :kept], self.page_kmax[:, :, :kept] = self.key_bounds(parts[:3], pos)
         self.page_ptr.fill_(kept % NP)
         self.count("prompt_pages", B * H * kept)
 
+    def page_bounds(self) -> tuple[Tensor, Tensor]:
+        """Quest's per-page, per-channel key min and max [B, H, pages, D], of the keys as recall installs them.
+        Keys quantized per channel over a page already hold them: the zero point is the page's minimum (code 0)
+        and zero + (2^bits - 1) x scale its maximum (the top code), so no summary is stored beside them."""
+        if not self.key_channels:
+            return self.page_kmin, self.page_kmax
+        zero, scale = self.warm_k_zero.squeeze(3).float(), self.warm_k_scale.squeeze(3).float()
+        return zero, zero + (2**self.warm_bits - 1) * scale
+
     def key_bounds(self, key_parts: list[Tensor], pos: Tensor) -> tuple[Tensor, Tensor]:
         """Per page, the min and max over its tokens of each channel of the keys as recall will install them
-        (dequantized): key_parts page-shaped [B, H, pages, P or 1, ...], pos [B, H, pages, P] (-1 = no token)."""
+        (dequantized): key_parts page-shaped [B, H, pages, P or 1, ...], pos [B, H, pages, P] (-1 = no token).
+        Stored only for hot codes kept as they are (--kv-bits: per-token scales)."""
         keys = self.dequantize_keys(key_parts, torch.float32)
         empty = (pos < 0).unsqueeze(-1)
         return keys.masked_fill(empty, INF).amin(3), keys.masked_fill(empty, -INF).amax(3)
@@ -285,9 +305,10 @@ class Tiers:
         old_tokens = (old >= 0).sum(-1) * has
         self.count("cold_pages", (old_tokens > 0).sum())
         self.count("cold_tokens", old_tokens.sum())
-        kmin, kmax = self.key_bounds(parts[:3], pos)
-        for buffer, value in [*((getattr(self, f"warm_{n}"), p) for n, p in zip(WARM_PARTS, parts)),
-                              (self.page_pos, pos), (self.page_kmin, kmin), (self.page_kmax, kmax)]:
+        pairs = [*((getattr(self, f"warm_{n}"), p) for n, p in zip(WARM_PARTS, parts)), (self.page_pos, pos)]
+        if not self.key_channels:
+            pairs += zip((self.page_kmin, self.page_kmax), self.key_bounds(parts[:3], pos))
+        for buffer, value in pairs:
             ones = (1,) * (value.dim() - 2)
             index = ptr.view(B, H, *ones).expand(value.shape)
             buffer.scatter_(2, index, torch.where(has.view(B, H, *ones), value, buffer.gather(2, index)))
@@ -306,8 +327,8 @@ class Tiers:
         B, n_heads, _, D = q.shape
         H, K = self.n_kv_heads, self.recall_pages
         qg = q.view(B, H, n_heads // H, D).float()
-        bound = (qg.clamp(min=0) @ self.page_kmax.transpose(-1, -2)
-                 + qg.clamp(max=0) @ self.page_kmin.transpose(-1, -2))  # [B, H, g, pages]
+        kmin, kmax = self.page_bounds()
+        bound = qg.clamp(min=0) @ kmax.transpose(-1, -2) + qg.clamp(max=0) @ kmin.transpose(-1, -2)  # [B, H, g, pages]
         score = bound.amax(2).masked_fill(self.page_pos[..., 0] < 0, -INF)
         top = score.topk(K, dim=-1)
         chosen = torch.where(top.values > -INF, top.indices, -1)  # [B, H, K]
@@ -352,9 +373,10 @@ class Tiers:
         for name, value in zip(WARM_PARTS, parts):
             getattr(self, f"warm_{name}").copy_(value)
         self.page_pos.copy_(pos)
-        kmin, kmax = self.key_bounds(parts[:3], pos)
-        self.page_kmin.copy_(kmin)
-        self.page_kmax.copy_(kmax)
+        if not self.key_channels:
+            kmin, kmax = self.key_bounds(parts[:3], pos)
+            self.page_kmin.copy_(kmin)
+            self.page_kmax.copy_(kmax)
 
     # ---- reporting (read once at the end) ------------------------------------------------------------------
     def kept(self) -> Tensor:
@@ -454,7 +476,8 @@ def add_tier_args(parser, title: str = "KV tiers (demote evicted tokens to a qua
                         f"tokens (whole pages), or a fraction of the budget ({DEFAULTS['recall_slots']}, at least "
                         "one page); 0 = demote but never recall")
     g.add_argument("--recall-interval", type=int, default=None,
-                   help="recall every that many positions, besides the first step after new input "
+                   help="recall every that many generated positions (fed tokens, e.g. a question, and the first step "
+                        "of a call always recall) "
                         f"({DEFAULTS['recall_interval']})")
 
 

@@ -28,7 +28,7 @@ FLAGS = ("--tasks", *TASKS, "--budgets", "0.4", "--lengths", "600", "--samples",
 WARM = "h2o+warm[page-size=8,recall-slots=16]"
 # one warm page of one (row, KV head) of the tiny model (head_dim 8, one quantization group): per token, K and V
 # each 8 4-bit codes (4 bytes) + an fp32 scale and zero point (8 bytes); 8 tokens per page
-PAGE_BYTES = 8 * 2 * (4 + 8)
+PAGE_BYTES = 8 * 2 * 4 + 2 * 2 * 8 + 8 * 2 * 2  # 4-bit codes of K and V; fp16 scale + zero per key channel, per value
 
 
 @pytest.fixture
@@ -119,8 +119,8 @@ def test_combo_labels_round_trip():
     (["--policies", "h2o+cold"], "unknown cache policy 'h2o\\+cold'"),
     (["--policies", "h2o+warm", "--warm-bits", "3"], "--warm-bits must be 8 or 4"),
     (["--policies", "h2o+warm", "--page-size", "0"], "--page-size must be a whole number >= 1"),
-    (["--policies", "h2o+warm", "--warm-tokens", "8"], "smaller than one page"),
-    (["--policies", "h2o+warm", "--recall-slots", "24"], "must be a whole number of pages"),
+    (["--policies", "h2o+warm", "--page-size", "16", "--warm-tokens", "8"], "smaller than one page"),
+    (["--policies", "h2o+warm", "--page-size", "16", "--recall-slots", "24"], "must be a whole number of pages"),
     (["--policies", "h2o", "--warm-bits", "8"], "--warm-bits is used by none of the policies"),
 ])
 def test_bad_warm_combos_are_one_line_errors(flags, message, capsys):

@@ -117,10 +117,12 @@ class Driver:
 
     @staticmethod
     def quantized(x: Tensor, c) -> Tensor:
-        """A page's keys [n, D] as the warm tier keeps them: per channel over the page, or per token."""
-        if c.key_channels:
-            return dequantize_channels(*quantize_channels(x, c.warm_bits), c.warm_bits, torch.float32)
-        return dequantize_tokens(*quantize_tokens(x, c.warm_bits, c.warm_group), c.warm_bits, torch.float32)
+        """A page's keys [n, D] as the warm tier keeps them: per channel over the page, or per token; codes from
+        the fp32 scale and zero point, which are then stored in fp16."""
+        quantize, dequantize = ((quantize_channels, dequantize_channels) if c.key_channels else
+                                (lambda x, bits: quantize_tokens(x, bits, c.warm_group), dequantize_tokens))
+        codes, scale, zero = quantize(x, c.warm_bits)
+        return dequantize(codes, scale.half().float(), zero.half().float(), c.warm_bits, torch.float32)
 
     def check(self) -> None:
         """Every position seen is hot, warm or cold, exactly once; recall slots hold warm tokens only."""
@@ -169,9 +171,9 @@ def test_every_token_in_one_tier_and_counters_exact(config):
         run.step(recall=r)
         run.check()
     counts = tier_report([cache])
-    scales = 2 * 4 * (D // cache.warm_group)  # a token's scale and zero point per group, fp32
-    assert cache.key_channels  # keys: a scale and zero point per channel per page
-    page_bytes = page * (2 * storage_width(D, cache.warm_bits) + scales) + 2 * 4 * D
+    scales = 2 * 2 * (D // cache.warm_group)  # a value's scale and zero point per group, fp16
+    assert cache.key_channels  # keys: a scale and zero point per channel per page, fp16
+    page_bytes = page * (2 * storage_width(D, cache.warm_bits) + scales) + 2 * 2 * D
     assert counts["demoted_tokens"] == run.demoted
     assert counts["flushed_pages"] == run.flushed
     assert counts["recall_misses"] == run.misses
@@ -201,11 +203,11 @@ def test_recalled_tokens_are_quantized_once(kv_bits):
             assert torch.equal(getattr(cache, name)[..., region, :] * valid, codes * valid)
         elif name == "k":  # per channel over each recalled page (KIVI), empty entries left out of the range
             pages = (cache.recall_pages, cache.page_size)
-            parts = quantize_channels(original.unflatten(2, pages), bits, (pos >= 0).unflatten(2, pages))
-            expected = dequantize_channels(*parts, bits, torch.float32).flatten(2, 3)
-            torch.testing.assert_close(getattr(cache, name)[..., region, :] * valid, expected * valid)
-        else:
-            expected = dequantize_tokens(codes, scale, zero, bits, torch.float32)
+            codes, scale, zero = quantize_channels(original.unflatten(2, pages), bits, (pos >= 0).unflatten(2, pages))
+            expected = dequantize_channels(codes, scale.half().float(), zero.half().float(), bits, torch.float32)
+            torch.testing.assert_close(getattr(cache, name)[..., region, :] * valid, expected.flatten(2, 3) * valid)
+        else:  # codes from the fp32 scale and zero point, stored in fp16
+            expected = dequantize_tokens(codes, scale.half().float(), zero.half().float(), bits, torch.float32)
             torch.testing.assert_close(getattr(cache, name)[..., region, :] * valid, expected * valid)
 
 
