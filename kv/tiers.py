@@ -46,6 +46,7 @@ from model import KVFastError
 
 COUNTERS = ("demoted_tokens", "flushed_pages", "prompt_pages", "cold_pages", "cold_tokens", "recalls",
             "recall_hits", "recall_misses")
+RECALL_COUNTERS = [COUNTERS.index(n) for n in ("recalls", "recall_hits", "recall_misses")]  # a list: one index op
 WARM_PARTS = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
 WARM_BITS = (8, 4)
 # scales and zero points of warm pages: fp16 halves what they cost (at pages of 4 tokens the keys' per-channel pair
@@ -321,29 +322,22 @@ class Tiers:
 
     # ---- decode: recall ------------------------------------------------------------------------------------
     def recall(self, q: Tensor) -> None:
-        """Install the warm pages with the highest Quest bound for q [B, H, 1, D] in the recall slots."""
+        """Install the warm pages with the highest Quest bound for q [B, H, 1, D] in the recall slots. The slots
+        are rewritten in score order (static shapes: every recall slot is written anyway); a chosen page that was
+        already resident is a hit, the others are misses, the pages that would move between tiers. Few ops on
+        purpose: at one recall per step, each kernel launch per layer counts."""
         if not self.recall_pages:
             return
         B, n_heads, _, D = q.shape
-        H, K = self.n_kv_heads, self.recall_pages
-        qg = q.view(B, H, n_heads // H, D).float()
-        kmin, kmax = self.page_bounds()
-        bound = qg.clamp(min=0) @ kmax.transpose(-1, -2) + qg.clamp(max=0) @ kmin.transpose(-1, -2)  # [B, H, g, pages]
-        score = bound.amax(2).masked_fill(self.page_pos[..., 0] < 0, -INF)
-        top = score.topk(K, dim=-1)
+        H = self.n_kv_heads
+        qg = q.view(B, H, n_heads // H, 1, D).float()
+        kmin, kmax = (b.unsqueeze(2) for b in self.page_bounds())  # [B, H, 1, pages, D]
+        bound = torch.maximum(qg * kmin, qg * kmax).sum(-1).amax(2)  # sum_d max(q kmin, q kmax), max over group
+        top = bound.masked_fill(self.page_pos[..., 0] < 0, -INF).topk(self.recall_pages, dim=-1)
         chosen = torch.where(top.values > -INF, top.indices, -1)  # [B, H, K]
-        resident = self.recall_page
-        same = (resident.unsqueeze(-1) == chosen.unsqueeze(-2)) & (resident >= 0).unsqueeze(-1)
-        stays, hit = same.any(-1), same.any(-2)  # by recall page slot / by chosen page
-        miss = (chosen >= 0) & ~hit
-        freed = torch.sort(stays.long(), dim=-1, stable=True).indices  # page slots that do not stay, first
-        target = freed.gather(-1, (miss.long().cumsum(-1) - 1).clamp(min=0))
-        pages = torch.cat([resident.masked_fill(~stays, -1), resident.new_full((B, H, 1), -1)], dim=-1)
-        pages = pages.scatter(-1, torch.where(miss, target, K), chosen)[..., :K]  # column K: the trash
-        self.install(pages)
-        self.count("recalls", 1)
-        self.count("recall_hits", hit.sum())
-        self.count("recall_misses", miss.sum())
+        hit = ((chosen.unsqueeze(-1) == self.recall_page.unsqueeze(-2)).any(-1) & (chosen >= 0)).sum()
+        self.install(chosen)
+        self.traffic[RECALL_COUNTERS] += torch.stack([hit.new_ones(()), hit, (chosen >= 0).sum() - hit])
 
     def install(self, pages: Tensor) -> None:
         """Write warm pages [B, H, K] (-1 = none) into the recall slots, in the hot format."""
