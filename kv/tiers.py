@@ -12,7 +12,7 @@ WARM  per (row, KV head), a ring of pages of P tokens (--page-size), quantized o
 COLD  a page the ring overwrites (the oldest) is dropped and counted.
 
 Per decode step, inside the compiled step, the policy's victim is copied in the hot format to a staging page
-(one column per step; an empty victim goes to a trash column). Every P steps the loop calls flush(), compiled
+(column = position mod P; an empty victim leaves its column empty). Every P steps the loop calls flush(), compiled
 separately: each (row, head)'s staged tokens become one warm page. On recall steps (generate.Decoder: the
 first step of every decode call, every token of a fed chunk such as a question, and every --recall-interval
 positions while generating) each layer scores its warm pages against the current query before it
@@ -133,12 +133,11 @@ class Tiers:
         self.key_channels = not self.kv_bits  # keys quantized per channel over a page (else the hot codes)
         B, H, P, NP, D = self.batch_size, self.n_kv_heads, tiers.page_size, tiers.warm_pages, self.head_dim
         dev = self.device
-        for name in self.kv_buffers():  # staging, in the hot format; column P is the trash for empty victims
+        for name in self.kv_buffers():  # staging, in the hot format: column = position mod P
             hot = getattr(self, name)
-            self.register_buffer(f"stage_{name}", hot.new_zeros(B, H, P + 1, hot.shape[-1]), persistent=False)
-        self.register_buffer("stage_pos", torch.full((B, H, P + 1), -1, dtype=torch.long, device=dev),
+            self.register_buffer(f"stage_{name}", hot.new_zeros(B, H, P, hot.shape[-1]), persistent=False)
+        self.register_buffer("stage_pos", torch.full((B, H, P), -1, dtype=torch.long, device=dev),
                              persistent=False)
-        self.register_buffer("stage_n", torch.zeros(B, H, dtype=torch.long, device=dev), persistent=False)
         width, groups = storage_width(D, self.warm_bits), D // self.warm_group
         for name in WARM_PARTS:  # every part page-shaped [B, H, pages, tokens, ...]
             scale_dtype = torch.float32 if self.kv_bits else WARM_SCALE_DTYPE  # --kv-bits: the hot codes' own
@@ -195,7 +194,6 @@ class Tiers:
 
     def reset_tiers(self) -> None:
         self.stage_pos.fill_(-1)
-        self.stage_n.zero_()
         self.page_pos.fill_(-1)
         self.page_ptr.zero_()
         self.recall_page.fill_(-1)
@@ -256,45 +254,38 @@ class Tiers:
     # ---- decode: demote ------------------------------------------------------------------------------------
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         slot = self.choose_slot(input_pos)
-        self.stage(slot)
+        self.stage(slot, input_pos)
         return self.insert(slot, input_pos, k, v)
 
-    def stage(self, slot: Tensor) -> None:
-        """Copy the token in slot [B, H_kv] (about to be overwritten) to its head's staging page. stage_n counts
-        the victims since the last flush; one that finds the page full (never, when flush() runs on schedule) is
-        lost, and flush() counts it cold. The counters are updated there, not here: fewer ops per step."""
+    def stage(self, slot: Tensor, input_pos: Tensor) -> None:
+        """Copy the token in slot [B, H_kv] (about to be overwritten) to its head's staging page, in column
+        position mod P (an empty victim leaves its column empty: position -1). The column comes from the
+        position, not from a count of victims, so staging is three copies and no bookkeeping; flush() runs every
+        P positions (generate.Decoder does), before a column comes round again."""
         B, H = slot.shape
         at = slot.view(B, H, 1)
         victim = self.slot_pos.gather(2, at)
-        valid = victim >= 0
-        room = self.stage_n.unsqueeze(-1) < self.page_size
-        column = torch.where(valid & room, self.stage_n.unsqueeze(-1), self.page_size)
+        column = (input_pos.view(1, 1, 1) % self.page_size).expand(B, H, 1)
         for name in self.kv_buffers():
             hot, stage = getattr(self, name), getattr(self, f"stage_{name}")
             width = hot.shape[-1]
             stage.scatter_(2, column.unsqueeze(-1).expand(B, H, 1, width),
                            hot.gather(2, at.unsqueeze(-1).expand(B, H, 1, width)))
         self.stage_pos.scatter_(2, column, victim)
-        self.stage_n.add_(valid.squeeze(-1).long())
 
-    def staged(self) -> tuple[Tensor, Tensor]:
-        """Victims since the last flush [B, H]: those in the staging page, and those lost for want of room."""
-        return self.stage_n.clamp(max=self.page_size), (self.stage_n - self.page_size).clamp(min=0)
+    def staged(self) -> Tensor:
+        """Victims since the last flush, per (row, KV head) [B, H]."""
+        return (self.stage_pos >= 0).sum(-1)
 
     def flush(self) -> None:
-        """Each (row, KV head)'s staged tokens become one warm page (called every page_size steps, so a staging
-        page never overflows: at most one victim per step)."""
-        P = self.page_size
-        has = self.stage_n > 0
-        empty = torch.arange(P, device=has.device) >= self.stage_n.unsqueeze(-1)
-        pos = self.stage_pos[..., :P].masked_fill(empty, -1).unsqueeze(2)
-        parts = self.warm_parts([getattr(self, f"stage_{n}")[:, :, :P].unsqueeze(2) for n in self.kv_buffers()], pos)
+        """Each (row, KV head)'s staged tokens become one warm page (called every page_size positions)."""
+        staged = self.staged()
+        has = staged > 0
+        pos = self.stage_pos.unsqueeze(2)
+        parts = self.warm_parts([getattr(self, f"stage_{n}").unsqueeze(2) for n in self.kv_buffers()], pos)
         self.write_page(parts, pos, has)
-        staged, lost = self.staged()
         self.count("demoted_tokens", staged.sum())
-        self.count("cold_tokens", lost.sum())
         self.count("flushed_pages", has.sum())
-        self.stage_n.zero_()
         self.stage_pos.fill_(-1)
 
     def write_page(self, parts: list[Tensor], pos: Tensor, has: Tensor) -> None:
@@ -333,7 +324,7 @@ class Tiers:
         qg = q.view(B, H, n_heads // H, 1, D).float()
         kmin, kmax = (b.unsqueeze(2) for b in self.page_bounds())  # [B, H, 1, pages, D]
         bound = torch.maximum(qg * kmin, qg * kmax).sum(-1).amax(2)  # sum_d max(q kmin, q kmax), max over group
-        top = bound.masked_fill(self.page_pos[..., 0] < 0, -INF).topk(self.recall_pages, dim=-1)
+        top = bound.masked_fill((self.page_pos < 0).all(-1), -INF).topk(self.recall_pages, dim=-1)
         chosen = torch.where(top.values > -INF, top.indices, -1)  # [B, H, K]
         hit = ((chosen.unsqueeze(-1) == self.recall_page.unsqueeze(-2)).any(-1) & (chosen >= 0)).sum()
         self.install(chosen)
@@ -387,9 +378,8 @@ class Tiers:
     def tier_counts(self) -> dict[str, int]:
         """This layer's tokens per tier and traffic counters, summed over rows and KV heads."""
         counts = dict(zip(COUNTERS, self.traffic.tolist()))
-        staged, lost = self.staged()  # not flushed yet: demoted (or lost) all the same
+        staged = self.staged()  # not flushed yet: demoted all the same
         counts["demoted_tokens"] += int(staged.sum())
-        counts["cold_tokens"] += int(lost.sum())
         counts["hot_tokens"] = int(self.kept().sum())
         counts["recalled_tokens"] = int((self.slot_pos[..., self.capacity - self.recall_slots :] >= 0).sum())
         counts["warm_tokens"] = int((self.page_pos >= 0).sum() + staged.sum())

@@ -134,7 +134,7 @@ class Driver:
                 managed = [p for p in c.slot_pos[b, h, : c.capacity - c.recall_slots].tolist() if p >= 0]
                 assert len(managed) == len(set(managed)), "a position twice in the hot slots"
                 warm = [p for p in c.page_pos[b, h].flatten().tolist() if p >= 0]
-                warm += c.stage_pos[b, h, : int(c.stage_n[b, h])].tolist()
+                warm += [p for p in c.stage_pos[b, h].tolist() if p >= 0]
                 assert len(warm) == len(set(warm)), "a position twice in the warm tier"
                 assert not hot[b][h] & set(warm), "a token both hot and warm"
                 assert hot[b][h] | set(warm) <= set(range(self.t))
