@@ -9,10 +9,12 @@ import argparse
 import resource
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import cache as kvcache
 from kv import kvzip
@@ -62,6 +64,47 @@ def recall_and_decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor
     return decode_one_token(model, x, input_pos, temperature, top_k, recall=True)
 
 
+def run_block(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, recall: bool) -> Tensor:
+    """One TransformerBlock with its cache: what --compile-scope block compiles, once for every layer alike
+    (dynamo takes the layer's parameters and buffers as inputs, so same shapes = the same compiled code)."""
+    return layer(x, cos, sin, input_pos, recall)
+
+
+def logits_and_sample(model: Transformer, h: Tensor, temperature: float,
+                      top_k: int | None) -> tuple[Tensor, Tensor]:
+    logits = model.logits(h)
+    return sample(logits, temperature, top_k), logits
+
+
+class BlockStep:
+    """A decode step under --compile-scope block: embedding and RoPE lookup eager, each layer through one
+    compiled block, the head (norm is in hidden(); logits, sampling) compiled apart. Called as a step function."""
+
+    def __init__(self, block: Callable, head: Callable, recall: bool = False):
+        self.block, self.head, self.recall = block, head, recall
+
+    def __call__(self, model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
+                 top_k: int | None) -> tuple[Tensor, Tensor]:
+        h = model.hidden(x, input_pos, self.recall, run_block=self.block)
+        return self.head(model, h, temperature, top_k)
+
+
+def per_cache(fn: Callable[[nn.Module], None]) -> Callable[[Transformer], None]:
+    """fn(cache) for every layer's cache: the refresh and the flush under --compile-scope block."""
+    def run(model: Transformer) -> None:
+        for c in model.caches:
+            fn(c)
+    return run
+
+
+def refresh_cache(cache: nn.Module) -> None:
+    cache.refresh()
+
+
+def flush_cache(cache: nn.Module) -> None:
+    cache.flush()
+
+
 def refresh_caches(model: Transformer) -> None:
     """Periodic policy work (e.g. Scissorhands' eviction-queue refill), compiled separately."""
     for c in model.caches:
@@ -74,6 +117,7 @@ def flush_tiers(model: Transformer) -> None:
 
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
+COMPILE_SCOPES = ("step", "block")
 WARMUP_STEPS = 3  # reduce-overhead: CUDA graph trees run a step eagerly, record it, then replay it
 
 
@@ -86,23 +130,32 @@ class Decoder:
     """Holds the (optionally compiled) step functions so they compile once and are reused across samples."""
 
     def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False,
-                 mode: str | None = None):
+                 mode: str | None = None, scope: str = "step"):
         self.model = model
         self.step = decode_one_token
         self.step_recall = recall_and_decode_one_token
         self.refresh = refresh_caches
         self.flush = flush_tiers
         self.prefill = prefill
-        self.mode = None
+        self.mode, self.scope = None, None
         if compile:
             self.mode = mode or default_compile_mode(str(next(model.parameters()).device))
             if self.mode not in COMPILE_MODES:
                 choices = ", ".join(COMPILE_MODES)
                 raise KVFastError(f"unknown compile mode {self.mode!r} (choose from {choices})")
-            self.step = torch.compile(decode_one_token, mode=self.mode, fullgraph=True)
-            self.refresh = torch.compile(refresh_caches, mode=self.mode, fullgraph=True)
-            self.step_recall = torch.compile(recall_and_decode_one_token, mode=self.mode, fullgraph=True)
-            self.flush = torch.compile(flush_tiers, mode=self.mode, fullgraph=True)
+            if scope not in COMPILE_SCOPES:
+                raise KVFastError(f"unknown compile scope {scope!r} (choose from {', '.join(COMPILE_SCOPES)})")
+            self.scope = scope
+            compiled = partial(torch.compile, mode=self.mode, fullgraph=True)
+            if scope == "step":  # the whole step, all layers traced into one graph (gpt-fast)
+                self.step = compiled(decode_one_token)
+                self.step_recall = compiled(recall_and_decode_one_token)
+                self.refresh = compiled(refresh_caches)
+                self.flush = compiled(flush_tiers)
+            else:  # regional: one layer's graph serves every layer of the same shapes
+                block, head = compiled(run_block), compiled(logits_and_sample)
+                self.step, self.step_recall = BlockStep(block, head), BlockStep(block, head, recall=True)
+                self.refresh, self.flush = per_cache(compiled(refresh_cache)), per_cache(compiled(flush_cache))
         if compile_prefill:
             if kvzip.needs_context_pass(model):
                 raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
@@ -226,6 +279,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
                    help="torch.compile mode of the decode step and the refresh (default: reduce-overhead, "
                         "i.e. CUDA graphs, on CUDA; default on CPU, where reduce-overhead is an error)")
+    p.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="step",
+                   help="what --compile traces into one graph: the whole decode step (step: fastest steps, "
+                        "longest compile) or one transformer block reused for every layer (block: regional "
+                        "compilation, compile time of one layer)")
     p.add_argument("--compile-cache", type=Path, default=None, metavar="FILE",
                    help="load compiled code from FILE before compiling, save it there after the warm-up: a "
                         "fresh checkout starts warm; a file from another torch version or device kind, or a "
@@ -244,6 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--top-k must be > 0")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
+    if args.compile_scope != "step" and not args.compile:
+        p.error("--compile-scope needs --compile")
     if args.compile_mode and not args.compile:
         p.error("--compile-mode needs --compile")
     if args.compile_mode == "reduce-overhead" and not args.device.startswith("cuda"):
@@ -310,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
               "slots per layer): nothing to compress, no reconstruction pass")
     model.setup_caches(make_cache)
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill,
-                      mode=args.compile_mode)
+                      mode=args.compile_mode, scope=args.compile_scope)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
     weight_bytes = model.weight_bytes()
     compiled = args.compile or args.compile_prefill
@@ -352,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bandwidth achieved: {weight_bytes * tok_s / 1e9:.2f} GB/s (weights {weight_bytes / 1e6:.1f} MB per step)")
     print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB")
     if compiled:
-        print(f"compile mode: {decoder.mode or 'eager decode'}"
+        print(f"compile mode: {decoder.mode or 'eager decode'}" + (f", scope {decoder.scope}" if decoder.scope else "")
               + (", prefill compiled (dynamic shapes)" if args.compile_prefill else ""))
     print_cache_stats(model, make_cache)
 

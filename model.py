@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -273,14 +274,17 @@ class Transformer(nn.Module):
         h = self.hidden(idx, input_pos, recall)
         return self.logits(h if all_logits else h[:, -1:])
 
-    def hidden(self, idx: Tensor, input_pos: Tensor | None = None, recall: bool = False) -> Tensor:
+    def hidden(self, idx: Tensor, input_pos: Tensor | None = None, recall: bool = False,
+               run_block: Callable | None = None) -> Tensor:
+        """The final hidden states; run_block(layer, x, cos, sin, input_pos, recall) runs each layer instead of
+        calling it (generate.py's --compile-scope block: one compiled block for every layer)."""
         if input_pos is None:
             cos, sin = self.rope_cos[: idx.shape[1]], self.rope_sin[: idx.shape[1]]
         else:
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, recall)
+            x = run_block(layer, x, cos, sin, input_pos, recall) if run_block else layer(x, cos, sin, input_pos, recall)
         return self.norm(x)
 
     def logits(self, h: Tensor) -> Tensor:

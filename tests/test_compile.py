@@ -51,6 +51,27 @@ def test_warm_up_compiles_everything_and_the_sample_nothing(policy, override):
     assert len(set(eager[0].tolist())) > 5
 
 
+@pytest.mark.parametrize("policy, tiers", [("h2o", None), ("scissorhands", None), ("h2o", {"warm_tokens": 1.0, "page_size": 4, "recall_slots": 4})])
+def test_block_scope_compiles_one_block_for_every_layer(policy, tiers):
+    """--compile-scope block: one graph for all layers (and one for the head, one for the refresh; tiers: a
+    recalling block and the flush), nothing recompiles in the sample, tokens equal eager decoding."""
+    model = tiny_model()
+    assert len(model.layers) >= 2
+    prompt = torch.randint(0, 64, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    model.setup_caches(small_factory(policy, 2, model.args, PROMPT_LEN, N_NEW, **({"tiers": tiers} if tiers else {})))
+    eager = generate_tokens(model, prompt, N_NEW)
+    decoder = generate.Decoder(model, compile=True, scope="block")
+    has_refresh = decoder.refresh_interval() is not None
+    before, recompiles = graphs(), sum(counters["recompiles"].values())
+    decoder.warm_up(prompt)
+    assert graphs() - before == 2 + has_refresh + 2 * bool(tiers)  # not one per layer
+    assert sum(counters["recompiles"].values()) == recompiles
+    warm = graphs()
+    compiled = generate_tokens(model, prompt, N_NEW, decoder)
+    assert graphs() == warm and sum(counters["recompiles"].values()) == recompiles, "the sample compiled"
+    assert torch.equal(compiled, eager)
+
+
 # ---- the CLI --------------------------------------------------------------------------------------------
 def run_cli(capsys, checkpoint: Path, *argv: str) -> tuple[int, str, str]:
     code = generate.cli(["--checkpoint", str(checkpoint), "--prompt", "Hello there", "--temperature", "0",
