@@ -5,6 +5,7 @@
     python bench.py --section quantize    # fp32 vs int8 vs int4 weights: size, decode speed, quality
     python bench.py --section kv-bits     # K/V stored in fp32 vs 8 vs 4 bits: decode step time and KV bytes
     python bench.py --section prefill     # what each prompt compressor adds to a plain prefill (kvzip, ...)
+    python bench.py --section compile     # cold / warm / portable compile per policy, whole step vs one block
     python bench.py --section tiers       # tiered (kv.tiers) vs plain decode step at the same hot budget, 4096 tokens
 
 Markdown tables go to stdout, everything measured to --json.
@@ -462,20 +463,21 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
-    p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "tiers", "all"],
+    p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "tiers", "compile", "all"],
                    default="engine", help="which tables")
     p.add_argument("--compressors", nargs="+", default=["snapkv", "h2o", "expected_attention", "kvzip"],
                    help="prefill table: prompt compressors")
     p.add_argument("--kvzip-dtypes", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16", "auto"],
                    help="prefill table: precisions of kvzip's reconstruction pass, a column each")
-    p.add_argument("--prompt-len", type=int, default=512, help="engine table: prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=128, help="engine table: tokens decoded")
+    p.add_argument("--prompt-len", type=int, default=512, help="engine and compile tables: prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=128, help="engine and compile tables: tokens decoded")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
     p.add_argument("--skip-hf", action="store_true", help="engine table without the HF transformers row")
     p.add_argument("--policies", nargs="*",
                    help="policies table: policies (default: all but full); kv-bits table: (default: full h2o); "
-                        "tiers table: evicting policies to run plain and tiered (default: h2o)")
+                        "tiers table: evicting policies to run plain and tiered (default: h2o); compile table: "
+                        "(default: full h2o scissorhands snapkv, at a budget of 0.5)")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="policies, kv-bits and prefill tables: prompts (default: 512 2048 4096); tiers table: "
                         "(default: 4096)")
@@ -521,6 +523,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.section in ("tiers", "all"):
         args.lengths = tier_lengths
         out["tiers"] = bench_tiers(model, args)
+    if args.section in ("compile", "all"):
+        from benchcompile import bench_compile
+
+        out["compile"] = bench_compile(checkpoint, args.policies or ["full", "h2o", "scissorhands", "snapkv"],
+                                       args.prompt_len, args.new_tokens, 0.5)
     args.json.write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json}")
 

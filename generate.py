@@ -412,7 +412,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB")
     if compiled:
         print(f"compile mode: {decoder.mode or 'eager decode'}" + (f", scope {decoder.scope}" if decoder.scope else "")
-              + (", prefill compiled (dynamic shapes)" if args.compile_prefill else ""))
+              + (", prefill compiled (dynamic shapes)" if args.compile_prefill else "")
+              + f"; {_graphs()} graphs, {_dynamo_count('recompiles')} recompiles, "
+              f"{_dynamo_count('graph_break')} graph breaks")
     print_cache_stats(model, make_cache)
 
 
@@ -440,6 +442,13 @@ def _graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def _dynamo_count(kind: str) -> int:
+    """Recompiles or graph breaks so far, all reasons together (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters[kind].values())
 
 
 def print_cache_stats(model: Transformer, factory: kvcache.CacheFactory) -> None:
