@@ -249,7 +249,7 @@ class Combo:
 class Evaluator:
     def __init__(self, model: Transformer, tokenizer: Any, args: argparse.Namespace):
         self.model, self.tok, self.args = model, tokenizer, args
-        self.decoder = Decoder(model, compile=args.compile)
+        self.decoder = Decoder(model, compile=args.compile, scope=args.compile_scope)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.bank: dict[tuple, list[nn.Module]] = {}

@@ -653,7 +653,7 @@ def main(argv: list[str] | None = None) -> Path:
               "kvzip_suffix": args.kvzip_suffix, "kvfast_policy": OUR_POLICY,
               "methods": {k: [m.press, m.press_params, m.compressor, m.ours] for k, m in METHODS.items()}}
     store = Store(args.out, config, args.overwrite)
-    ev = Evaluator(model, tok, argparse.Namespace(compile=False, params={}))
+    ev = Evaluator(model, tok, argparse.Namespace(compile=False, compile_scope="step", params={}))
     framing = tasks.Framing.make(tok, False)
     sentences = None
     if args.task != "passkey":
