@@ -187,8 +187,11 @@ def test_compile_mode_reaches_every_compiled_function(monkeypatch):
     decoder = generate.Decoder(model, compile=True, mode="max-autotune-no-cudagraphs")
     mode = "max-autotune-no-cudagraphs"  # the tiers' recall step and flush are compiled with it too
     assert seen == [(name, mode) for name in
-                    ("decode_one_token", "refresh_caches", "recall_and_decode_one_token", "flush_tiers")]
+                    ("decode_one_token", "recall_and_decode_one_token", "refresh_caches", "flush_tiers")]
     assert decoder.mode == "max-autotune-no-cudagraphs"
+    seen.clear()
+    generate.Decoder(model, compile=True, mode=mode, scope="block")
+    assert seen == [(name, mode) for name in ("run_block", "logits_and_sample", "refresh_cache", "flush_cache")]
     assert generate.Decoder(model, compile=True).mode == "default"  # CPU; reduce-overhead on CUDA
 
 
