@@ -491,6 +491,12 @@ def main(argv: list[str] | None = None) -> None:
                         "it) or a file")
     p.add_argument("--quality-tokens", type=int, default=1024,
                    help="quantize and kv-bits tables: tokens of that text")
+    p.add_argument("--buckets", nargs="+", default=["x4"],
+                   help="compile table: --capacity-buckets settings to compare with off over ten prompt lengths")
+    p.add_argument("--length-policies", nargs="+", default=["full"],
+                   help="compile table: policies of the ten-prompt-lengths rows (full; snapkv: append-only)")
+    p.add_argument("--lengths-only", action="store_true",
+                   help="compile table: only the ten-prompt-lengths rows (no cold / warm / portable runs)")
     p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")
     add_tier_flags(p, "tiers table: the tiered policy's settings")
     args = p.parse_args(argv)
@@ -524,10 +530,12 @@ def main(argv: list[str] | None = None) -> None:
         args.lengths = tier_lengths
         out["tiers"] = bench_tiers(model, args)
     if args.section in ("compile", "all"):
-        from benchcompile import bench_compile
+        from benchcompile import bench_compile, bench_lengths
 
-        out["compile"] = bench_compile(checkpoint, args.policies or ["full", "h2o", "scissorhands", "snapkv"],
-                                       args.prompt_len, args.new_tokens, 0.5)
+        if not args.lengths_only:
+            out["compile"] = bench_compile(checkpoint, args.policies or ["full", "h2o", "scissorhands", "snapkv"],
+                                           args.prompt_len, args.new_tokens, 0.5)
+        out["compile_lengths"] = bench_lengths(checkpoint, args.length_policies, "block", ["off", *args.buckets])
     args.json.write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json}")
 

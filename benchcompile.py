@@ -9,10 +9,15 @@ Per (policy, scope), three runs of generate.py --compile, each in its own proces
 Reported: compile time (generate.py's warm-up: every compiled function reached once), graphs, recompiles and
 graph breaks (dynamo's counters over the whole run), first token after the model is loaded (compile +
 prefill), decode tok/s of the sample, and that speed against scope `step` of the same policy, same run.
+
+Then many prompt lengths in one process (bench_lengths): one Decoder, ten prompts of 100-3000 tokens, with
+and without --capacity-buckets, each setting in a fresh process with an empty Inductor cache: how many times
+the step compiled, compile seconds in all, and decode tok/s against exact capacities.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -88,3 +93,72 @@ def bench_compile(checkpoint: Path, policies: list[str], prompt_len: int, new_to
                       f"{cold['graph_breaks']:.0f} | {cold['first_token_s']:.1f} | {portable['first_token_s']:.1f} | "
                       f"{cold['tok_s']:.1f} | {cold['tok_s'] / step_speed:.2f}x |", flush=True)
     return results
+
+
+LENGTHS = [100 + round(i * 2900 / 9) for i in range(10)]  # 100 .. 3000 tokens
+
+
+def lengths_worker(checkpoint: str, policy: str, scope: str, buckets: str, new_tokens: int) -> dict:
+    """In this process: one Decoder; per prompt length new caches, the warm-up (compiles when the capacity is
+    new), a prefill and new_tokens timed decode steps. The recompile limit is raised so that exact capacities
+    (one graph per length) can be counted past dynamo's default of 8."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from cache import make_cache_factory
+    from generate import Decoder, prefill
+    from model import Transformer
+
+    torch._dynamo.config.recompile_limit = 4 * len(LENGTHS)
+    model = Transformer.from_checkpoint(Path(checkpoint))
+    decoder = Decoder(model, compile=True, scope=scope)
+    budget = None if policy == "full" else 0.5
+    rows, generator = [], torch.Generator().manual_seed(0)
+    for n in LENGTHS:
+        model.setup_caches(make_cache_factory(policy, 1, model.args, n, new_tokens, budget=budget,
+                                              capacity_buckets=None if buckets == "off" else buckets))
+        idx = torch.randint(0, model.args.vocab_size, (1, n), generator=generator)
+        graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
+        decoder.warm_up(idx)
+        compile_s = time.perf_counter() - t0
+        with torch.inference_mode():
+            first = prefill(model, idx, 0.0, None)
+            t0 = time.perf_counter()
+            decoder.decode(first, n, new_tokens)
+            tok_s = new_tokens / (time.perf_counter() - t0)
+        rows.append({"prompt": n, "capacity": model.caches[0].capacity, "compile_s": compile_s,
+                     "compiled": counters["stats"]["unique_graphs"] > graphs, "tok_s": tok_s})
+    return {"rows": rows, "compiles": sum(r["compiled"] for r in rows),
+            "recompiles": sum(counters["recompiles"].values()), "compile_s": sum(r["compile_s"] for r in rows)}
+
+
+def bench_lengths(checkpoint: Path, policies: list[str], scope: str, settings: list[str],
+                  new_tokens: int = 32) -> dict:
+    print(f"\nmany prompt lengths in one process: one Decoder (--compile-scope {scope}), prompts of "
+          f"{', '.join(map(str, LENGTHS))} tokens, {new_tokens} new tokens each; a fresh process with an empty "
+          "Inductor cache per row; compile s = the warm-ups of all ten prompts; tok/s = mean over the prompts\n")
+    print("| policy | --capacity-buckets | capacities | step compiled | compile s | decode tok/s | vs off |")
+    print("|---|---|---|---|---|---|---|")
+    results: dict = {}
+    for policy in policies:
+        results[policy] = {}
+        for setting in settings:
+            with tempfile.TemporaryDirectory() as tmp:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
+                cmd = [sys.executable, str(Path(__file__).resolve()), str(checkpoint), policy, scope, setting,
+                       str(new_tokens)]
+                proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=ROOT)
+            if proc.returncode:
+                raise RuntimeError(f"lengths worker failed: {proc.stderr.strip().splitlines()[-1:]}")
+            r = results[policy][setting] = json.loads(proc.stdout.strip().splitlines()[-1])
+            speed = sum(x["tok_s"] for x in r["rows"]) / len(r["rows"])
+            base = results[policy].get(settings[0], r)
+            base_speed = sum(x["tok_s"] for x in base["rows"]) / len(base["rows"])
+            caps = len({x["capacity"] for x in r["rows"]})
+            print(f"| {policy} | {setting} | {caps} | {r['compiles']} times | {r['compile_s']:.1f} | {speed:.1f} | "
+                  f"{speed / base_speed:.2f}x |", flush=True)
+    return results
+
+
+if __name__ == "__main__":  # the worker of bench_lengths
+    print(json.dumps(lengths_worker(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))))

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,14 @@ import torch
 import yaml
 
 from kv import policies, prompt
-from kv.budgets import LAYER_SCHEDULES, layer_capacities, resolve_capacity, resolve_count
+from kv.budgets import (
+    LAYER_SCHEDULES,
+    bucket_capacity,
+    layer_capacities,
+    parse_buckets,
+    resolve_capacity,
+    resolve_count,
+)
 from kv.expected import ExpectedAttentionCache, ExpectedAttentionPrompt
 from kv.hybrid import HybridCache
 from kv.kvzip import KVzipCache, KVzipPrompt
@@ -190,7 +198,7 @@ PARAMS: dict[str, tuple[Any, str]] = {
 # flags that may be given without a value: the value they then take
 PARAM_CONSTS = {"static_threshold": 0.9}
 GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
-           "kv_group_size", *TIER_FLAGS)
+           "kv_group_size", "capacity_buckets", *TIER_FLAGS)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
@@ -217,6 +225,12 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-group-size", type=int, default=None,
                    help="--kv-bits: channels per scale / zero point; must divide the head dimension (default: "
                         "the head dimension, one group per token and head)")
+    g.add_argument("--capacity-buckets", default=None,
+                   help="allocate slots in a few sizes so one compiled step serves many prompt lengths: off "
+                        "(default: exact), x2 / x4 (powers of 2 / 4 from 256 slots, at most the model's "
+                        "length) or sizes such as 1024,4096; only room that is never evicted into is rounded "
+                        "up (full, snapkv, pyramidkv, or a sequence the budget holds whole), so nothing kept "
+                        "changes; an evicting budget stays exact")
     add_param_flags(g)
     g.add_argument("--cache-config", default=None,
                    help=f"YAML preset from cache_configs/ ({', '.join(available_presets())}); "
@@ -272,6 +286,7 @@ class CacheSpec:
     params: dict[str, Any] = field(default_factory=dict)
     kv_bits: int | None = None
     kv_group_size: int | None = None
+    capacity_buckets: str | None = None
     cli: set[str] = field(default_factory=set)  # keys given on the command line (they beat the preset)
     tiers: dict[str, Any] = field(default_factory=dict)  # kv.tiers flags given (warm_tokens turns them on)
 
@@ -290,7 +305,7 @@ class CacheSpec:
                    pyramid_beta=merged.get("pyramid_beta"),
                    params={k: v for k, v in merged.items() if k in PARAMS}, cli=set(cli),
                    kv_bits=merged.get("kv_bits"), kv_group_size=merged.get("kv_group_size"),
-                   tiers={k: merged[k] for k in TIER_FLAGS if k in merged})
+                   capacity_buckets=merged.get("capacity_buckets"), tiers={k: merged[k] for k in TIER_FLAGS if k in merged})
 
     def resolve(self) -> tuple[type[KVCache], type | None, dict[str, Any]]:
         """Validate names, unused flags and values; return (policy class, compressor class, all
@@ -334,6 +349,11 @@ class CacheSpec:
             if self.kv_bits is None:
                 raise KVFastError("--kv-group-size is only used with --kv-bits")
             _whole(1)("kv_group_size", self.kv_group_size)
+        if self.capacity_buckets is not None:
+            parse_buckets(str(self.capacity_buckets))
+            if self.tiers or issubclass(policy, PoolCache):
+                what = "the tiers' recall slots" if self.tiers else f"{self.policy}'s pool (H_kv x budget)"
+                raise KVFastError(f"--capacity-buckets cannot round up {what}: the slots are the budget")
         if self.tiers:
             if "warm_tokens" not in self.tiers:
                 raise KVFastError(f"--{_flag(next(iter(self.tiers)))} needs --warm-tokens (it turns the tiers on)")
@@ -366,12 +386,13 @@ def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: Mo
                        pyramid_beta: int | None = None, kv_bits: int | None = None,
                        kv_group_size: int | None = None, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu", tokenizer: Any = None, tiers: dict | None = None,
-                       **params: Any) -> CacheFactory:
+                       capacity_buckets: str | None = None, **params: Any) -> CacheFactory:
     """make_cache(layer) for Transformer.setup_caches; params are hyper-parameters by name (n_sinks=4,
     ...); the tokenizer is for compressors that write text (KVzip's instruction)."""
     given = set(params) | ({"cache_budget"} if budget is not None else set())
     spec = CacheSpec(policy, prompt_compression, budget, layer_budget, pyramid_beta, params, kv_bits=kv_bits,
-                     kv_group_size=kv_group_size, cli=given, tiers=tiers or {})
+                     kv_group_size=kv_group_size, capacity_buckets=capacity_buckets, cli=given,
+                     tiers=tiers or {})
     model_args = model_args or ModelArgs()
     return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device, tokenizer)
 
@@ -407,8 +428,12 @@ class CacheFactory:
         n_sinks = self.values.get("n_sinks", self.cls.n_sinks)
         recent = self.values.get("recent_window", self.cls.recent_window)
 
+        self.capacity_buckets = spec.capacity_buckets
+        buckets = parse_buckets(str(spec.capacity_buckets or "off"))
+        room = partial(bucket_capacity, buckets=buckets, limit=model_args.max_seq_len)  # allocated slots
         if self.cls is FullCache:
-            self.capacities = self.prompt_capacities = [total] * n_layers
+            self.prompt_capacities = [total] * n_layers
+            self.capacities = [room(total)] * n_layers
         elif self.cls.evicts:
             if self.cls is WindowCache:
                 if spec.budget is not None and "recent_window" in spec.cli and "cache_budget" in spec.cli:
@@ -424,7 +449,13 @@ class CacheFactory:
                 protected = n_sinks + max(resolve_count(recent, average), window)
             protected = min(protected, average)
             caps = layer_capacities(self.layer_budget, average, n_layers, protected, total, beta)
-            self.capacities = self.prompt_capacities = [min(c, total) for c in caps]
+            # a budget the sequence fits in never evicts: its slots may be rounded up to the bucket (at most
+            # to the budget), the rest is the method's budget, exact
+            asked = (int(spec.budget) if spec.budget is not None and spec.budget > 1 else total
+                     if spec.budget is not None or self.cls is not WindowCache
+                     else n_sinks + resolve_count(recent, total))
+            self.capacities = self.prompt_capacities = [min(c, total) if c < total else max(total, min(asked, room(total)))
+                                                        for c in caps]
         else:  # append-only: the prompt gets the budget minus one slot per new token
             average = resolve_capacity(spec.budget, total)
             if average - max_new_tokens < 1:
@@ -433,7 +464,7 @@ class CacheFactory:
             caps = layer_capacities(self.layer_budget, average - max_new_tokens, n_layers,
                                     min(n_sinks + window, average - max_new_tokens), prompt_len, beta)
             self.prompt_capacities = [min(c, prompt_len) if prompt_len else c for c in caps]
-            self.capacities = [c + max_new_tokens for c in self.prompt_capacities]
+            self.capacities = [room(c + max_new_tokens) for c in self.prompt_capacities]
         self.tiers, self.recall_slots = None, 0
         if spec.tiers:  # the recall slots come out of each layer's budget: the policy manages the rest
             t = spec.tiers
@@ -533,6 +564,8 @@ class CacheFactory:
         tiers = (f"; tiers: {t.recall_slots} of the slots hold recalled pages (recall every {t.recall_interval} "
                  f"positions), warm store {t.warm_pages} pages x {t.page_size} tokens at {t.warm_bits} bits per "
                  "row and KV head" if t else "")
+        if self.capacity_buckets not in (None, "off"):
+            cap += f" (allocated in --capacity-buckets {self.capacity_buckets})"
         return (f"cache: {self.policy}{comp}, capacity per layer {cap} slots{pool}"
                 + (f"; {params}" * bool(params)) + quant + tiers)
 

@@ -82,3 +82,42 @@ def layer_capacities(schedule: str, average: int, n_layers: int, protected: int,
         return [average] * n_layers
     caps = pyramid_capacities(average, n_layers, protected, seq_len, beta)
     return caps if schedule == "pyramid" else caps[::-1]
+
+
+# ---- capacity buckets (--capacity-buckets) --------------------------------------------------------------
+# A compiled step is specialized to its buffers' shapes, so every new capacity compiles again. Buckets round
+# the *allocated* slots up to a few sizes where that cannot change what the cache keeps: the room for new
+# tokens of a cache that never evicts (full, snapkv, pyramidkv), and any cache the whole sequence fits in.
+# A budget that evicts stays exact: there the capacity is the method's budget.
+BUCKET_LADDERS = {"x2": 2, "x4": 4}  # powers of 2 or of 4 from SMALLEST_BUCKET
+SMALLEST_BUCKET = 256
+
+
+def parse_buckets(spec: str) -> tuple[int, ...] | int | None:
+    """--capacity-buckets: 'off' -> None, 'x2' / 'x4' -> the ladder's ratio, '1024,4096' -> sorted sizes."""
+    if spec == "off":
+        return None
+    if spec in BUCKET_LADDERS:
+        return BUCKET_LADDERS[spec]
+    try:
+        sizes = tuple(sorted({int(s) for s in spec.split(",")}))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] < 1:
+        raise KVFastError(f"--capacity-buckets must be off, {', '.join(BUCKET_LADDERS)} or a comma-separated "
+                          f"list of positive slot counts (e.g. 1024,4096), got {spec!r}")
+    return sizes
+
+
+def bucket_capacity(slots: int, buckets: tuple[int, ...] | int | None, limit: int) -> int:
+    """The smallest bucket >= slots (never above `limit`, the model's maximum length; a sequence longer
+    than every bucket keeps its own size)."""
+    if buckets is None:
+        return slots
+    if isinstance(buckets, int):
+        size = SMALLEST_BUCKET
+        while size < slots:
+            size *= buckets
+    else:
+        size = next((b for b in buckets if b >= slots), slots)
+    return max(slots, min(size, limit))

@@ -1,0 +1,122 @@
+"""--capacity-buckets: slots allocated in a few sizes, so one compiled step serves many prompt lengths, and
+only where that cannot change what a cache keeps (room for new tokens of a cache that never evicts, or a
+sequence the budget holds whole); evicting budgets stay exact."""
+
+import pytest
+import torch
+from cache_testing import generate_tokens, single_thread_fixture, tiny_model
+from torch._dynamo.utils import counters
+
+import generate
+from cache import make_cache_factory
+from kv.budgets import bucket_capacity, parse_buckets
+from model import KVFastError
+
+_one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
+N_NEW = 12
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("slots, spec, limit, expected", [
+    (1, "x4", 8192, 256), (256, "x4", 8192, 256), (257, "x4", 8192, 1024), (3064, "x4", 8192, 4096),
+    (5000, "x4", 8192, 8192), (9000, "x4", 8192, 9000),  # never above the model's length, never below the need
+    (300, "x2", 8192, 512), (3000, "x2", 2048, 3000), (300, "1024,4096", 8192, 1024),
+    (5000, "1024,4096", 8192, 5000), (300, "off", 8192, 300),
+])
+def test_bucket_ladders(slots, spec, limit, expected):
+    assert bucket_capacity(slots, parse_buckets(spec), limit) == expected
+
+
+@pytest.mark.parametrize("spec", ["x3", "", "1024,abc", "0,512", "-4"])
+def test_bad_bucket_spec_is_one_clear_error(spec):
+    with pytest.raises(KVFastError, match="--capacity-buckets must be off, x2, x4 or"):
+        parse_buckets(spec)
+
+
+def capacities(policy: str, prompt_len: int, buckets: str | None, **kw) -> tuple[list[int], list[int]]:
+    factory = make_cache_factory(policy, 1, tiny_model().args, prompt_len, N_NEW, capacity_buckets=buckets, **kw)
+    return factory.capacities, factory.prompt_capacities
+
+
+def test_only_room_that_is_never_evicted_into_is_rounded_up():
+    assert capacities("full", 100, "x4") == ([256, 256], [112, 112])  # the prompt's slots unchanged
+    exact_caps, exact_prompt = capacities("snapkv", 400, None, budget=0.5)
+    caps, prompt = capacities("snapkv", 400, "x4", budget=0.5)
+    assert prompt == exact_prompt and exact_caps == [206, 206] and caps == [256, 256]
+    assert capacities("h2o", 400, "x4", budget=0.5) == capacities("h2o", 400, None, budget=0.5)  # evicts: exact
+    # an absolute budget the sequence fits in: rounded up, never past the budget
+    assert capacities("h2o", 100, "x4", budget=200)[0] == [200, 200]
+    assert capacities("h2o", 100, "x4", budget=600)[0] == [256, 256]
+    assert capacities("h2o", 300, "x4", budget=200)[0] == [200, 200]  # evicts: the budget
+
+
+@pytest.mark.parametrize("policy, kw, what", [
+    ("h2o", {"tiers": {"warm_tokens": 1.0}}, "recall slots"), ("adakv", {"budget": 0.5}, "pool")])
+def test_buckets_refuse_caches_whose_slots_are_the_budget(policy, kw, what):
+    with pytest.raises(KVFastError, match=f"--capacity-buckets cannot round up .*{what}"):
+        capacities(policy, 100, "x4", **kw)
+
+
+@pytest.mark.parametrize("policy, budget", [("full", None), ("snapkv", 0.5), ("h2o", 600)])
+def test_bucketed_tokens_equal_exact_capacity(policy, budget):
+    """Extra allocated slots stay empty: greedy tokens and logits equal the exact-capacity cache."""
+    model = tiny_model()
+    prompt = torch.randint(0, 64, (2, 150), generator=torch.Generator().manual_seed(3))
+    tokens, logits, slots = {}, {}, {}
+    for buckets in (None, "x4"):
+        model.setup_caches(make_cache_factory(policy, 2, model.args, 150, N_NEW, budget=budget,
+                                              capacity_buckets=buckets))
+        seen = logits[buckets] = []
+        tokens[buckets] = generate_tokens(model, prompt, N_NEW, on_logits=lambda i, x, seen=seen: seen.append(x))
+        slots[buckets] = model.caches[0].capacity
+    assert slots[None] < slots["x4"] == 256  # the bucketed cache really is larger
+    assert torch.equal(tokens[None], tokens["x4"])
+    for a, b in zip(logits[None], logits["x4"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scope", ["step", "block"])
+def test_ten_prompt_lengths_compile_at_most_twice(scope):
+    """Ten prompt lengths in one process (one Decoder): x4 buckets give two capacities, so the decode step
+    compiles twice; without buckets every length compiles its own graph (six here: dynamo's recompile limit
+    of 8 would end a tenth)."""
+    model = tiny_model()
+    decoder = generate.Decoder(model, compile=True, scope=scope)
+    per_graph = 2 if scope == "block" else 1  # block scope: the layer's graph and the head's
+    lengths = [20, 60, 110, 160, 200, 240, 300, 420, 600, 900]
+    for buckets, most in (("x4", 2), (None, 6)):
+        torch._dynamo.reset()
+        counters.clear()
+        caps = set()
+        for n in lengths[: 10 if buckets else most]:
+            model.setup_caches(make_cache_factory("full", 1, model.args, n, N_NEW, capacity_buckets=buckets))
+            caps.add(model.caches[0].capacity)
+            decoder.warm_up(torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(n)))
+        assert len(caps) == most
+        assert counters["stats"]["unique_graphs"] == per_graph - 1 + most
+        if buckets:
+            assert not counters["recompiles"]  # a bucket seen before reuses its graph
+
+
+def test_generate_cli_reports_buckets_and_rejects_bad_ones(tmp_path, capsys):
+    from conftest import save_tiny_hf
+    from test_generate import run_cli
+
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_tiny_hf(hf, tie=True, rope_scaling=False)
+    ckpt = convert_hf_checkpoint(hf, tmp_path / "tiny")
+    base = ["--checkpoint", str(ckpt), "--prompt", "Hello there", "--max-new-tokens", "4", "--temperature", "0"]
+    code, out, err = run_cli(capsys, *base, "--capacity-buckets", "x4")
+    assert code == 0, err
+    assert "(allocated in --capacity-buckets x4)" in out
+    code, _, err = run_cli(capsys, *base, "--capacity-buckets", "x3")
+    assert code == 2 and err.strip().count("\n") == 0 and "--capacity-buckets must be" in err
