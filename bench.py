@@ -491,10 +491,11 @@ def main(argv: list[str] | None = None) -> None:
                         "it) or a file")
     p.add_argument("--quality-tokens", type=int, default=1024,
                    help="quantize and kv-bits tables: tokens of that text")
-    p.add_argument("--buckets", nargs="+", default=["x4"],
-                   help="compile table: --capacity-buckets settings to compare with off over ten prompt lengths")
-    p.add_argument("--length-policies", nargs="+", default=["full"],
-                   help="compile table: policies of the ten-prompt-lengths rows (full; snapkv: append-only)")
+    p.add_argument("--buckets", nargs="+", default=["x4", "dynamic"],
+                   help="compile table: --capacity-buckets settings (and dynamic: --dynamic-capacity) to compare "
+                        "with off over ten prompt lengths")
+    p.add_argument("--length-policies", nargs="+", default=["full", "h2o"],
+                   help="compile table: policies of the ten-prompt-lengths rows, evicting ones at a budget of 0.5")
     p.add_argument("--lengths-only", action="store_true",
                    help="compile table: only the ten-prompt-lengths rows (no cold / warm / portable runs)")
     p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")

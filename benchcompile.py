@@ -11,7 +11,7 @@ graph breaks (dynamo's counters over the whole run), first token after the model
 prefill), decode tok/s of the sample, and that speed against scope `step` of the same policy, same run.
 
 Then many prompt lengths in one process (bench_lengths): one Decoder, ten prompts of 100-3000 tokens, with
-and without --capacity-buckets, each setting in a fresh process with an empty Inductor cache: how many times
+and without --capacity-buckets (padding to a few sizes) or --dynamic-capacity (a symbolic slot count), each setting in a fresh process with an empty Inductor cache: how many times
 the step compiled, compile seconds in all, and decode tok/s against exact capacities.
 """
 
@@ -111,12 +111,12 @@ def lengths_worker(checkpoint: str, policy: str, scope: str, buckets: str, new_t
 
     torch._dynamo.config.recompile_limit = 4 * len(LENGTHS)
     model = Transformer.from_checkpoint(Path(checkpoint))
-    decoder = Decoder(model, compile=True, scope=scope)
+    decoder = Decoder(model, compile=True, scope=scope, dynamic_capacity=buckets == "dynamic")
     budget = None if policy == "full" else 0.5
     rows, generator = [], torch.Generator().manual_seed(0)
     for n in LENGTHS:
         model.setup_caches(make_cache_factory(policy, 1, model.args, n, new_tokens, budget=budget,
-                                              capacity_buckets=None if buckets == "off" else buckets))
+                                              capacity_buckets=None if buckets in ("off", "dynamic") else buckets))
         idx = torch.randint(0, model.args.vocab_size, (1, n), generator=generator)
         graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
         decoder.warm_up(idx)
@@ -137,7 +137,7 @@ def bench_lengths(checkpoint: Path, policies: list[str], scope: str, settings: l
     print(f"\nmany prompt lengths in one process: one Decoder (--compile-scope {scope}), prompts of "
           f"{', '.join(map(str, LENGTHS))} tokens, {new_tokens} new tokens each; a fresh process with an empty "
           "Inductor cache per row; compile s = the warm-ups of all ten prompts; tok/s = mean over the prompts\n")
-    print("| policy | --capacity-buckets | capacities | step compiled | compile s | decode tok/s | vs off |")
+    print("| policy | capacities (--capacity-buckets, or --dynamic-capacity) | distinct | step compiled | compile s | decode tok/s | vs off |")
     print("|---|---|---|---|---|---|---|")
     results: dict = {}
     for policy in policies:

@@ -121,6 +121,25 @@ COMPILE_SCOPES = ("step", "block")
 WARMUP_STEPS = 3  # reduce-overhead: CUDA graph trees run a step eagerly, record it, then replay it
 
 
+# dynamo keeps module buffers (and the ints of a module) static by default: a new prompt length (a new
+# capacity) would compile the step again. These let the slot dimension, and ints such as a recent window
+# resolved from it, be symbolic.
+DYNAMIC_CAPACITY_CONFIG = {"force_nn_module_property_static_shapes": False,
+                           "force_parameter_static_shapes": False, "allow_unspec_int_on_nn_module": True}
+
+
+def mark_capacity_dynamic(model: Transformer) -> None:
+    """Mark the slot dimension of every cache buffer dynamic (the dims of the capacity's size; a pool's P),
+    so the first compile already serves every capacity; what else changes with the capacity (a queue's
+    length, a window) becomes dynamic at its first change, by dynamo's automatic dynamic shapes."""
+    for c in model.caches:
+        slots = {c.capacity, getattr(c, "pool_size", c.capacity)} - {0, 1}
+        for buffer in c.buffers():
+            for dim, size in enumerate(buffer.shape):
+                if size in slots:
+                    torch._dynamo.maybe_mark_dynamic(buffer, dim)
+
+
 def default_compile_mode(device: str) -> str:
     """CUDA graphs remove the per-kernel launch cost that dominates a small model's step on a GPU."""
     return "reduce-overhead" if device.startswith("cuda") else "default"
@@ -130,8 +149,12 @@ class Decoder:
     """Holds the (optionally compiled) step functions so they compile once and are reused across samples."""
 
     def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False,
-                 mode: str | None = None, scope: str = "step"):
+                 mode: str | None = None, scope: str = "step", dynamic_capacity: bool = False):
         self.model = model
+        self.dynamic_capacity = compile and dynamic_capacity
+        if self.dynamic_capacity:  # process-wide: dynamo reads it while tracing
+            for key, value in DYNAMIC_CAPACITY_CONFIG.items():
+                setattr(torch._dynamo.config, key, value)
         self.step = decode_one_token
         self.step_recall = recall_and_decode_one_token
         self.refresh = refresh_caches
@@ -177,6 +200,8 @@ class Decoder:
         a seeded sample does not depend on the warm-up. Returns (decode steps, refreshes) run: a constant,
         whatever the sample's length."""
         model, S = self.model, idx.shape[1]
+        if self.dynamic_capacity:
+            mark_capacity_dynamic(model)
         refreshes = steps if self.refresh_interval() else 0
         tiers = self.tiers()
         devices = [idx.device] if idx.device.type == "cuda" else []
@@ -216,6 +241,8 @@ class Decoder:
         needle in a quarter of the samples that recalling at each token found), and while generating, every
         recall_interval positions."""
         out = []
+        if self.dynamic_capacity:  # caches set up after the warm-up (eval installs its own)
+            mark_capacity_dynamic(self.model)
         input_pos = torch.tensor([start_pos], dtype=torch.long, device=x.device)
         interval, tiers = self.refresh_interval(), self.tiers()
         for i in range(n):
@@ -283,6 +310,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="what --compile traces into one graph: the whole decode step (step: fastest steps, "
                         "longest compile) or one transformer block reused for every layer (block: regional "
                         "compilation, compile time of one layer)")
+    p.add_argument("--dynamic-capacity", action="store_true",
+                   help="--compile: the cache's slot count is a symbolic size, so one compiled step serves "
+                        "every prompt length and budget (no padding, unlike --capacity-buckets)")
     p.add_argument("--compile-cache", type=Path, default=None, metavar="FILE",
                    help="load compiled code from FILE before compiling, save it there after the warm-up: a "
                         "fresh checkout starts warm; a file from another torch version or device kind, or a "
@@ -303,6 +333,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--temperature must be >= 0")
     if args.compile_scope != "step" and not args.compile:
         p.error("--compile-scope needs --compile")
+    if args.dynamic_capacity and not args.compile:
+        p.error("--dynamic-capacity needs --compile")
     if args.compile_mode and not args.compile:
         p.error("--compile-mode needs --compile")
     if args.compile_mode == "reduce-overhead" and not args.device.startswith("cuda"):
@@ -369,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
               "slots per layer): nothing to compress, no reconstruction pass")
     model.setup_caches(make_cache)
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill,
-                      mode=args.compile_mode, scope=args.compile_scope)
+                      mode=args.compile_mode, scope=args.compile_scope, dynamic_capacity=args.dynamic_capacity)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
     weight_bytes = model.weight_bytes()
     compiled = args.compile or args.compile_prefill
@@ -412,6 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB")
     if compiled:
         print(f"compile mode: {decoder.mode or 'eager decode'}" + (f", scope {decoder.scope}" if decoder.scope else "")
+              + (", dynamic capacity" if decoder.dynamic_capacity else "")
               + (", prefill compiled (dynamic shapes)" if args.compile_prefill else "")
               + f"; {_graphs()} graphs, {_dynamo_count('recompiles')} recompiles, "
               f"{_dynamo_count('graph_break')} graph breaks")

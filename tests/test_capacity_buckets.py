@@ -1,6 +1,9 @@
-"""--capacity-buckets: slots allocated in a few sizes, so one compiled step serves many prompt lengths, and
-only where that cannot change what a cache keeps (room for new tokens of a cache that never evicts, or a
-sequence the budget holds whole); evicting budgets stay exact."""
+"""Shapes that do not multiply compiles. --capacity-buckets: slots allocated in a few sizes, only where that
+cannot change what a cache keeps (room for new tokens of a cache that never evicts, or a sequence the budget
+holds whole); evicting budgets stay exact. --dynamic-capacity: the slot count is a symbolic size, so one
+compiled step serves every capacity."""
+
+from functools import partial
 
 import pytest
 import torch
@@ -19,7 +22,8 @@ N_NEW = 12
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
-    yield
+    with torch._dynamo.config.patch(**{k: not v for k, v in generate.DYNAMIC_CAPACITY_CONFIG.items()}):
+        yield  # a dynamic-capacity Decoder changes dynamo's process-wide config: restored here
     torch._dynamo.reset()
 
 
@@ -104,6 +108,37 @@ def test_ten_prompt_lengths_compile_at_most_twice(scope):
             assert not counters["recompiles"]  # a bucket seen before reuses its graph
 
 
+DYNAMIC_CASES = [("full", None, {}), ("snapkv", 0.5, {}), ("h2o", 0.5, {}), ("scissorhands", 0.5, {}),
+                 ("tova", 0.5, {"kv_bits": 4})]
+
+
+@pytest.mark.parametrize("policy, budget, kw", DYNAMIC_CASES)
+@pytest.mark.parametrize("scope", ["step", "block"])
+def test_dynamic_capacity_compiles_once_for_every_prompt_length(policy, budget, kw, scope):
+    """--dynamic-capacity: ten prompt lengths (ten capacities) in one Decoder compile each function at most
+    twice (once more where a capacity-derived int or queue changes: dynamo then makes it dynamic too), and
+    the compiled tokens equal eager decoding at lengths the graph was not compiled for."""
+    model = tiny_model()
+    counters.clear()
+    decoder = generate.Decoder(model, compile=True, scope=scope, dynamic_capacity=True)
+    functions = (2 if scope == "block" else 1) + (policy == "scissorhands")  # + the refresh
+    lengths = [100, 115, 130, 150, 170, 190, 210, 230, 260, 300]
+    caps = set()
+    for i, n in enumerate(lengths):
+        factory = partial(make_cache_factory, policy, 2, model.args, n, N_NEW, budget=budget, **kw)
+        prompt = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(n))
+        model.setup_caches(factory())
+        caps.add(model.caches[0].capacity)
+        decoder.warm_up(prompt)
+        if i in (0, 5, 9):
+            compiled = generate_tokens(model, prompt, N_NEW, decoder)
+            model.setup_caches(factory())
+            assert torch.equal(compiled, generate_tokens(model, prompt, N_NEW)), n
+    assert len(caps) == len(lengths)
+    most = functions if policy in ("full", "snapkv") else 2 * functions
+    assert functions <= counters["stats"]["unique_graphs"] <= most, dict(counters["recompiles"])
+
+
 def test_generate_cli_reports_buckets_and_rejects_bad_ones(tmp_path, capsys):
     from conftest import save_tiny_hf
     from test_generate import run_cli
@@ -118,5 +153,10 @@ def test_generate_cli_reports_buckets_and_rejects_bad_ones(tmp_path, capsys):
     code, out, err = run_cli(capsys, *base, "--capacity-buckets", "x4")
     assert code == 0, err
     assert "(allocated in --capacity-buckets x4)" in out
+    code, out, err = run_cli(capsys, *base, "--compile", "--dynamic-capacity")
+    assert code == 0, err
+    assert "dynamic capacity" in out
+    code, _, err = run_cli(capsys, *base, "--dynamic-capacity")
+    assert code == 2 and "--dynamic-capacity needs --compile" in err
     code, _, err = run_cli(capsys, *base, "--capacity-buckets", "x3")
     assert code == 2 and err.strip().count("\n") == 0 and "--capacity-buckets must be" in err
