@@ -160,3 +160,25 @@ def test_generate_cli_reports_buckets_and_rejects_bad_ones(tmp_path, capsys):
     assert code == 2 and "--dynamic-capacity needs --compile" in err
     code, _, err = run_cli(capsys, *base, "--capacity-buckets", "x3")
     assert code == 2 and err.strip().count("\n") == 0 and "--capacity-buckets must be" in err
+
+
+@pytest.mark.parametrize("policy", ["pyramidkv", "h2o"])
+def test_dynamic_capacity_gives_one_block_graph_for_pyramid_layers(policy):
+    """--compile-scope block with a pyramid schedule: every layer has its own capacity, so static shapes
+    compile a block graph per layer; a dynamic capacity compiles one or two for all of them."""
+    model = tiny_model(n_layers=4)
+    prompt = torch.randint(0, 64, (1, 200), generator=torch.Generator().manual_seed(5))
+    factory = partial(make_cache_factory, policy, 1, model.args, 200, N_NEW, budget=0.3, layer_budget="pyramid")
+    model.setup_caches(factory())
+    assert len({c.capacity for c in model.caches}) == 4
+    eager = generate_tokens(model, prompt, N_NEW)
+    graphs = {}
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model.setup_caches(factory())
+        decoder = generate.Decoder(model, compile=True, scope="block", dynamic_capacity=dynamic)
+        assert torch.equal(generate_tokens(model, prompt, N_NEW, decoder), eager)
+        graphs[dynamic] = counters["stats"]["unique_graphs"] - 1  # less the head's graph
+    # h2o: a second graph, where the first layer's recent window (an int) met another and became symbolic
+    assert graphs[False] == 4 and graphs[True] == (1 if policy == "pyramidkv" else 2)
