@@ -494,8 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--buckets", nargs="+", default=["x4", "dynamic"],
                    help="compile table: --capacity-buckets settings (and dynamic: --dynamic-capacity) to compare "
                         "with off over ten prompt lengths")
-    p.add_argument("--length-policies", nargs="+", default=["full", "h2o"],
-                   help="compile table: policies of the ten-prompt-lengths rows, evicting ones at a budget of 0.5")
+    p.add_argument("--length-policies", nargs="*", default=["full", "h2o"],
+                   help="compile table: policies of the ten-prompt-lengths rows, evicting ones at a budget of 0.5 (none: "
+                        "skip those rows)")
     p.add_argument("--lengths-only", action="store_true",
                    help="compile table: only the ten-prompt-lengths rows (no cold / warm / portable runs)")
     p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")
@@ -536,7 +537,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.lengths_only:
             out["compile"] = bench_compile(checkpoint, args.policies or ["full", "h2o", "scissorhands", "snapkv"],
                                            args.prompt_len, args.new_tokens, 0.5)
-        out["compile_lengths"] = bench_lengths(checkpoint, args.length_policies, "block", ["off", *args.buckets])
+        if args.length_policies:
+            out["compile_lengths"] = bench_lengths(checkpoint, args.length_policies, "block", ["off", *args.buckets])
     args.json.write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json}")
 
