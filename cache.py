@@ -451,9 +451,12 @@ class CacheFactory:
             caps = layer_capacities(self.layer_budget, average, n_layers, protected, total, beta)
             # a budget the sequence fits in never evicts: its slots may be rounded up to the bucket (at most
             # to the budget), the rest is the method's budget, exact
-            asked = (int(spec.budget) if spec.budget is not None and spec.budget > 1 else total
-                     if spec.budget is not None or self.cls is not WindowCache
-                     else n_sinks + resolve_count(recent, total))
+            if spec.budget is not None and spec.budget > 1:
+                asked = int(spec.budget)
+            elif spec.budget is None and self.cls is WindowCache:
+                asked = n_sinks + resolve_count(recent, total)
+            else:  # a fraction: the sequence fits only at 1.0, which means exactly the sequence
+                asked = total
             self.capacities = self.prompt_capacities = [min(c, total) if c < total else max(total, min(asked, room(total)))
                                                         for c in caps]
         else:  # append-only: the prompt gets the budget minus one slot per new token
