@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from kv.slots import INF, KVCache, reduce_groups
+from kv.slots import INF, KVCache, put_rows, reduce_groups
 
 
 class PoolCache(KVCache):
@@ -61,7 +61,7 @@ class PoolCache(KVCache):
             if slot is None:
                 buffer[:, : value.shape[1]] = value
             else:
-                buffer.scatter_(1, slot.unsqueeze(-1).expand(value.shape), value)
+                put_rows(buffer, slot, value)
 
     def quantize(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         from kv.quant import quantize_tokens

@@ -72,6 +72,18 @@ def gather_tokens(x: Tensor, keep: Tensor | None, n: int) -> Tensor:
     return x.gather(-1, index.expand(x.shape[:-1] + (n,)))
 
 
+
+def put_rows(buffer: Tensor, slot: Tensor, value: Tensor) -> None:
+    """buffer[..., slot[..., i], :] = value[..., i, :] for a contiguous buffer [*lead, C, *row] (slot [*lead, n],
+    value [*lead, n, *row]): an index_copy_ into the flattened rows. Inductor writes those rows in place, where
+    a scatter_ along the slot dimension became an out-of-place scatter plus a copy of the whole buffer back
+    (every slot of K and V read and written, per layer and step: 15-20 % of an h2o step at 4096 tokens)."""
+    lead = slot.shape[:-1]
+    C = buffer.shape[len(lead)]
+    base = torch.arange(lead.numel(), device=slot.device).view(*lead, 1) * C
+    buffer.view(lead.numel() * C, -1).index_copy_(0, (base + slot).flatten(), value.reshape(slot.numel(), -1))
+
+
 class KVCache(nn.Module):
     """Shared slot mechanics. Subclasses set `name`, `params` and `slot_scores`, and the hooks they need."""
 
@@ -158,7 +170,7 @@ class KVCache(nn.Module):
             if slot is None:
                 buffer[:, :, : value.shape[2]] = value
             else:
-                buffer.scatter_(2, slot.unsqueeze(-1).expand(value.shape), value)
+                put_rows(buffer, slot, value)
 
     def keys_values(self) -> tuple[Tensor, Tensor]:
         """Every slot's K and V [B, H_kv, C, D] in the compute dtype (dequantized if kv_bits)."""
