@@ -472,9 +472,7 @@ class CacheFactory:
         self.tiers, self.recall_slots = None, 0
         if spec.tiers:  # the recall slots come out of each layer's budget: the policy manages the rest
             t = spec.tiers
-            self.tiers = resolve_tiers(t["warm_tokens"], t.get("warm_bits"), t.get("page_size"), t.get("recall_slots"),
-                                       t.get("recall_interval"), total=total, hot_budget=min(self.capacities),
-                                       kv_bits=self.kv_bits)
+            self.tiers = resolve_tiers(t, total=total, hot_budget=min(self.capacities), kv_bits=self.kv_bits)
             self.recall_slots = self.tiers.recall_slots
             self.prompt_capacities = [min(p, c - self.recall_slots - (0 if self.cls.evicts else max_new_tokens))
                                       for p, c in zip(self.prompt_capacities, self.capacities)]

@@ -49,8 +49,7 @@ def tier_settings(args: argparse.Namespace) -> dict[str, float]:
     numbers, an absolute warm store of at least one page. Length-dependent checks come with the caches."""
     settings = {k: TIER_DEFAULTS[k] if getattr(args, k, None) is None else getattr(args, k) for k in TIER_FLAGS}
     huge = 1 << 40  # no length-dependent limit can bite
-    resolve_tiers(settings["warm_tokens"], settings["warm_bits"], settings["page_size"], settings["recall_slots"],
-                  settings["recall_interval"], total=huge, hot_budget=huge, kv_bits=None)
+    resolve_tiers(settings, total=huge, hot_budget=huge, kv_bits=None)
     return settings
 
 

@@ -41,9 +41,10 @@ import torch
 from torch import Tensor
 
 from kv.quant import dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens, storage_width
-from kv.slots import INF, KVCache
+from kv.slots import INF, KVCache, put_rows
 from model import KVFastError
 
+TIER_FLAGS = ("warm_tokens", "warm_bits", "page_size", "recall_slots", "recall_interval", "recall_installs")
 COUNTERS = ("demoted_tokens", "flushed_pages", "prompt_pages", "cold_pages", "cold_tokens", "recalls",
             "recall_hits", "recall_misses")
 RECALL_COUNTERS = [COUNTERS.index(n) for n in ("recalls", "recall_hits", "recall_misses")]  # a list: one index op
@@ -58,7 +59,7 @@ WARM_SCALE_DTYPE = torch.float16
 # query-agnostic passkey and niah_multikey (2048 tokens, h2o and window at 25 %; README, "Tiers"): pages of 4
 # tokens (16 caught half a needle and missed the digits that follow), three quarters of the hot budget for
 # recall, and a recall at every step (a 7-digit value crosses pages while it is being copied; every 4 steps lost it)
-DEFAULTS = {"warm_bits": 4, "page_size": 4, "recall_slots": 0.75, "recall_interval": 1}
+DEFAULTS = {"warm_bits": 4, "page_size": 4, "recall_slots": 0.75, "recall_interval": 1, "recall_installs": 1.0}
 
 
 @dataclass(frozen=True)
@@ -70,15 +71,18 @@ class TierSpec:
     warm_bits: int
     recall_slots: int
     recall_interval: int
+    recall_installs: int  # pages a recall may bring in per (row, KV head), at most
 
     @property
     def recall_pages(self) -> int:
         return self.recall_slots // self.page_size
 
 
-def resolve_tiers(warm_tokens: float, warm_bits: int | None, page_size: int | None, recall_slots: float | None,
-                  recall_interval: int | None, *, total: int, hot_budget: int, kv_bits: int | None) -> TierSpec:
-    """Check the tier flags against the sequence length (prompt + new tokens) and the smallest layer budget."""
+def resolve_tiers(flags: dict[str, float | None], *, total: int, hot_budget: int, kv_bits: int | None) -> TierSpec:
+    """Check the tier flags (TIER_FLAGS; None or missing = DEFAULTS) against the sequence length (prompt + new
+    tokens) and the smallest layer budget."""
+    warm_tokens, warm_bits, page_size, recall_slots, recall_interval, recall_installs = (
+        flags.get(name) for name in TIER_FLAGS)
     page = DEFAULTS["page_size"] if page_size is None else page_size
     if page != int(page) or page < 1:
         raise KVFastError(f"--page-size must be a whole number >= 1, got {page:g}")
@@ -115,7 +119,14 @@ def resolve_tiers(warm_tokens: float, warm_bits: int | None, page_size: int | No
     interval = DEFAULTS["recall_interval"] if recall_interval is None else recall_interval
     if interval != int(interval) or interval < 1:
         raise KVFastError(f"--recall-interval must be a whole number >= 1, got {interval:g}")
-    return TierSpec(page, pages, bits, slots, int(interval))
+    installs = DEFAULTS["recall_installs"] if recall_installs is None else recall_installs
+    recall_pages = slots // page
+    if 0 < installs <= 1:  # a fraction of the recall pages, at least one
+        installs = max(1, math.ceil(installs * recall_pages)) if recall_pages else 0
+    elif installs != int(installs) or installs < 1:
+        raise KVFastError(f"--recall-installs must be a fraction in (0, 1] or a whole number of pages, got "
+                          f"{installs:g}")
+    return TierSpec(page, pages, bits, slots, int(interval), min(int(installs), recall_pages))
 
 
 class Tiers:
@@ -148,7 +159,7 @@ class Tiers:
                                  persistent=False)
         self.register_buffer("page_pos", torch.full((B, H, NP, P), -1, dtype=torch.long, device=dev),
                              persistent=False)
-        if not self.key_channels:  # Quest's summaries of the hot codes; per-channel pages carry them (page_bounds)
+        if not self.key_channels:  # Quest's summaries of the hot codes; per-channel pages carry them (quest_bound)
             for name in ("page_kmin", "page_kmax"):
                 self.register_buffer(name, torch.zeros(B, H, NP, D, device=dev), persistent=False)
         self.register_buffer("page_ptr", torch.zeros(B, H, dtype=torch.long, device=dev), persistent=False)
@@ -234,15 +245,6 @@ class Tiers:
         self.page_ptr.fill_(kept % NP)
         self.count("prompt_pages", B * H * kept)
 
-    def page_bounds(self) -> tuple[Tensor, Tensor]:
-        """Quest's per-page, per-channel key min and max [B, H, pages, D], of the keys as recall installs them.
-        Keys quantized per channel over a page already hold them: the zero point is the page's minimum (code 0)
-        and zero + (2^bits - 1) x scale its maximum (the top code), so no summary is stored beside them."""
-        if not self.key_channels:
-            return self.page_kmin, self.page_kmax
-        zero, scale = self.warm_k_zero.squeeze(3).float(), self.warm_k_scale.squeeze(3).float()
-        return zero, zero + (2**self.warm_bits - 1) * scale
-
     def key_bounds(self, key_parts: list[Tensor], pos: Tensor) -> tuple[Tensor, Tensor]:
         """Per page, the min and max over its tokens of each channel of the keys as recall will install them
         (dequantized): key_parts page-shaped [B, H, pages, P or 1, ...], pos [B, H, pages, P] (-1 = no token).
@@ -303,7 +305,7 @@ class Tiers:
         for buffer, value in pairs:
             ones = (1,) * (value.dim() - 2)
             index = ptr.view(B, H, *ones).expand(value.shape)
-            buffer.scatter_(2, index, torch.where(has.view(B, H, *ones), value, buffer.gather(2, index)))
+            put_rows(buffer, ptr.view(B, H, 1), torch.where(has.view(B, H, *ones), value, buffer.gather(2, index)))
         if self.recall_pages:
             stale = (self.recall_page == ptr.unsqueeze(-1)) & has.unsqueeze(-1)
             self.recall_page.masked_fill_(stale, -1)
@@ -313,37 +315,60 @@ class Tiers:
 
     # ---- decode: recall ------------------------------------------------------------------------------------
     def recall(self, q: Tensor) -> None:
-        """Install the warm pages with the highest Quest bound for q [B, H, 1, D] in the recall slots. The slots
-        are rewritten in score order (static shapes: every recall slot is written anyway); a chosen page that was
-        already resident is a hit, the others are misses, the pages that would move between tiers. Few ops on
-        purpose: at one recall per step, each kernel launch per layer counts."""
+        """Choose the warm pages with the highest Quest bound for q [B, H, 1, D] and bring the chosen ones that are
+        not resident into the recall slots, best first, at most `recall_installs` per (row, KV head), each into a
+        slot whose page was not chosen again; a chosen page already resident is a hit and stays where it is. Only
+        the installed pages are dequantized and written (static shapes: always recall_installs of them; a slot
+        with no miss for it is rewritten with the page it holds). Few ops on purpose: at one recall per step, each
+        kernel per layer counts."""
         if not self.recall_pages:
             return
         B, n_heads, _, D = q.shape
-        H = self.n_kv_heads
+        H, K, M = self.n_kv_heads, self.recall_pages, self.tiers.recall_installs
         qg = q.view(B, H, n_heads // H, 1, D).float()
-        kmin, kmax = (b.unsqueeze(2) for b in self.page_bounds())  # [B, H, 1, pages, D]
-        bound = torch.maximum(qg * kmin, qg * kmax).sum(-1).amax(2)  # sum_d max(q kmin, q kmax), max over group
-        top = bound.masked_fill((self.page_pos < 0).all(-1), -INF).topk(self.recall_pages, dim=-1)
-        chosen = torch.where(top.values > -INF, top.indices, -1)  # [B, H, K]
-        hit = ((chosen.unsqueeze(-1) == self.recall_page.unsqueeze(-2)).any(-1) & (chosen >= 0)).sum()
-        self.install(chosen)
-        self.traffic[RECALL_COUNTERS] += torch.stack([hit.new_ones(()), hit, (chosen >= 0).sum() - hit])
+        top = self.quest_bound(qg).masked_fill((self.page_pos < 0).all(-1), -INF).topk(K, dim=-1)
+        chosen = torch.where(top.values > -INF, top.indices, -1)  # [B, H, K], best first
+        resident = self.recall_page
+        again = (resident.unsqueeze(-1) == chosen.unsqueeze(-2)) & (chosen >= 0).unsqueeze(-2)  # [B, H, slot, k]
+        kept = again.any(-1)  # the slot's page was chosen again
+        miss = (chosen >= 0) & ~again.any(-2)  # a chosen page not resident
+        # the best M misses, into the free slots in slot order (argsort of a 0/1 key: stable, so orders are kept)
+        order = (~miss).to(torch.uint8).argsort(dim=-1, stable=True)[..., :M]
+        slot = kept.to(torch.uint8).argsort(dim=-1, stable=True)[..., :M]  # distinct slots, free ones first
+        moves = miss.gather(-1, order)
+        page = torch.where(moves, chosen.gather(-1, order), resident.gather(-1, slot))
+        self.install(slot, page)
+        hits, misses = (chosen >= 0).sum() - miss.sum(), moves.sum()
+        self.traffic[RECALL_COUNTERS] += torch.stack([hits.new_ones(()), hits, misses])
 
-    def install(self, pages: Tensor) -> None:
-        """Write warm pages [B, H, K] (-1 = none) into the recall slots, in the hot format."""
-        B, H, K = pages.shape
-        P, R = self.page_size, self.recall_slots
+    def quest_bound(self, qg: Tensor) -> Tensor:
+        """Quest's upper bound of q.k over each warm page, sum_d max(q_d kmin_d, q_d kmax_d), max over the GQA group
+        (qg [B, H, g, 1, D]) -> [B, H, pages]. With keys per channel over a page, kmin is the zero point and kmax
+        zero + top x scale (scale >= 0), so the bound is q.zero + top relu(q).scale: two products, no max."""
+        if not self.key_channels:
+            kmin, kmax = self.page_kmin.unsqueeze(2), self.page_kmax.unsqueeze(2)
+            return torch.maximum(qg * kmin, qg * kmax).sum(-1).amax(2)
+        zero, scale = self.warm_k_zero.squeeze(3).unsqueeze(2), self.warm_k_scale.squeeze(3).unsqueeze(2)
+        top = 2**self.warm_bits - 1
+        return (qg * zero.float() + (top * qg.clamp(min=0)) * scale.float()).sum(-1).amax(2)
+
+    def install(self, slot: Tensor, pages: Tensor) -> None:
+        """Write warm pages [B, H, M] (-1 = none: the slot empties) into recall page slots [B, H, M] (distinct
+        per row and head), in the hot format."""
+        B, H, M = pages.shape
+        P = self.page_size
         at = pages.clamp(min=0)
         warm = []
         for name in WARM_PARTS:
             buffer = getattr(self, f"warm_{name}")
-            warm.append(buffer.gather(2, at.view(B, H, K, 1, 1).expand(B, H, K, *buffer.shape[3:])))
+            warm.append(buffer.gather(2, at.view(B, H, M, 1, 1).expand(B, H, M, *buffer.shape[3:])))
+        first = self.capacity - self.recall_slots
+        slots = (first + slot.unsqueeze(-1) * P + torch.arange(P, device=slot.device)).flatten(2)  # [B, H, M P]
         for name, value in zip(self.kv_buffers(), self.hot_parts(warm)):
-            getattr(self, name)[:, :, -R:] = value.flatten(2, 3)
-        pos = self.page_pos.gather(2, at.unsqueeze(-1).expand(B, H, K, P))
-        self.slot_pos[:, :, -R:] = pos.masked_fill((pages < 0).unsqueeze(-1), -1).flatten(2)
-        self.recall_page.copy_(pages)
+            put_rows(getattr(self, name), slots, value.flatten(2, 3))
+        pos = self.page_pos.gather(2, at.unsqueeze(-1).expand(B, H, M, P)).masked_fill((pages < 0).unsqueeze(-1), -1)
+        put_rows(self.slot_pos.unsqueeze(-1), slots, pos.flatten(2).unsqueeze(-1))
+        put_rows(self.recall_page.unsqueeze(-1), slot, pages.unsqueeze(-1))
 
     def synthetic_state(self, generator: torch.Generator | None) -> None:
         """fill_synthetic: the policy's statistics, and a full warm store of random pages (positions below the
@@ -438,7 +463,6 @@ def format_tier_report(r: dict[str, int] | None) -> list[str]:
     return [hot, moved, recalled]
 
 
-TIER_FLAGS = ("warm_tokens", "warm_bits", "page_size", "recall_slots", "recall_interval")
 
 
 def add_tier_args(parser, title: str = "KV tiers (demote evicted tokens to a quantized warm store, recall them)",
@@ -463,6 +487,10 @@ def add_tier_args(parser, title: str = "KV tiers (demote evicted tokens to a qua
                    help="recall every that many generated positions (fed tokens, e.g. a question, and the first step "
                         "of a call always recall) "
                         f"({DEFAULTS['recall_interval']})")
+    g.add_argument("--recall-installs", type=float, default=None,
+                   help="pages one recall may bring in per row and KV head, the best-scored first (the rest wait for "
+                        "the next recall): a fraction of the recall pages or a number "
+                        f"({DEFAULTS['recall_installs']:g}: every chosen page)")
 
 
 def check_tiers_for(policy: type[KVCache]) -> None:

@@ -37,9 +37,11 @@ POLICY_PARAMS = {
 
 
 def tier_cache(policy: str, S: int, steps: int, budget: int, *, page: int = 4, recall: int = 8,
-               warm: float = 1.0, bits: int | None = None, kv_bits: int | None = None, layer: int = 0):
+               warm: float = 1.0, bits: int | None = None, kv_bits: int | None = None, layer: int = 0,
+               installs: int | None = None):
     args = tiny_args(n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
-    tiers = {"warm_tokens": warm, "page_size": page, "recall_slots": recall, "warm_bits": bits}
+    tiers = {"warm_tokens": warm, "page_size": page, "recall_slots": recall, "warm_bits": bits,
+             "recall_installs": installs}
     f = make_cache_factory(policy, B, args, S, steps, budget=budget, kv_bits=kv_bits,
                            tiers={k: v for k, v in tiers.items() if v is not None}, **POLICY_PARAMS[policy])
     return f(layer)
@@ -93,9 +95,12 @@ class Driver:
 
     def expect_recall(self, q: Tensor) -> None:
         """Quest's bound per warm page from the warm tokens' original keys (quantized and dequantized as kv.quant
-        does), max over the group; run the recall; the recall slots must hold exactly the top pages."""
+        does), max over the group: the top K pages are chosen; a chosen page already in a recall slot stays in
+        that slot (a hit); the best `recall_installs` of the others (misses) go, best first, into the slots whose
+        page was not chosen, in slot order; every other slot keeps its page. Run the recall and compare slot by
+        slot, positions included."""
         c = self.cache
-        K = c.recall_pages
+        K, M, P = c.recall_pages, c.tiers.recall_installs, c.page_size
         resident = c.recall_page.clone()
         c.recall(q)
         for b in range(B):
@@ -110,10 +115,18 @@ class Driver:
                     bound = torch.maximum(qh[:, None] * keys.amin(0), qh[:, None] * keys.amax(0)).sum(-1)
                     bounds.append((bound.amax().item(), i))
                 top = [i for _, i in sorted(bounds, reverse=True)[:K]]
-                installed = {p for p in c.slot_pos[b, h, c.capacity - c.recall_slots :].tolist() if p >= 0}
-                assert installed == {p for i in top for p in pages[i]}
-                before = set(resident[b, h].tolist())
-                self.misses += sum(i not in before for i in top)
+                before = resident[b, h].tolist()
+                misses = [i for i in top if i not in before][:M]
+                free = [j for j, i in enumerate(before) if i not in top]
+                expected = list(before)
+                for j, i in zip(free, misses):
+                    expected[j] = i
+                assert c.recall_page[b, h].tolist() == expected
+                slots = c.slot_pos[b, h, c.capacity - c.recall_slots :].view(K, P)
+                for j, i in enumerate(expected):
+                    want = c.page_pos[b, h, i].tolist() if i >= 0 else [-1] * P
+                    assert slots[j].tolist() == want
+                self.misses += len(misses)
 
     @staticmethod
     def quantized(x: Tensor, c) -> Tensor:
@@ -157,14 +170,15 @@ def tier_configs(draw):
         budget += steps
     warm = draw(st.integers(max(page, 2, recall_pages * page), 40))  # tokens (1 would be the fraction 1.0); small stores go cold
     recalls = draw(st.lists(st.booleans(), min_size=steps, max_size=steps))
-    return policy, page, recall_pages * page, S, steps, budget, warm, recalls, draw(st.integers(0, 2**16))
+    installs = draw(st.one_of(st.none(), st.integers(1, 3)))  # None: every chosen page (the default)
+    return policy, page, recall_pages * page, S, steps, budget, warm, recalls, installs, draw(st.integers(0, 2**16))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tier_configs())
 def test_every_token_in_one_tier_and_counters_exact(config):
-    policy, page, recall, S, steps, budget, warm, recalls, seed = config
-    cache = tier_cache(policy, S, steps, budget, page=page, recall=recall, warm=warm)
+    policy, page, recall, S, steps, budget, warm, recalls, installs, seed = config
+    cache = tier_cache(policy, S, steps, budget, page=page, recall=recall, warm=warm, installs=installs)
     run = Driver(cache, S, seed)
     run.check()
     for r in recalls:
@@ -275,6 +289,8 @@ def test_compiled_matches_eager_tokens_and_counters_without_recompiling():
     ({"warm_tokens": 1.0, "recall_slots": 6, "page_size": 4}, {}, "whole number of pages"),
     ({"page_size": 4}, {}, "needs --warm-tokens"),
     ({"warm_tokens": 8, "recall_slots": 12, "page_size": 4}, {}, "exceed the warm store"),
+    ({"warm_tokens": 1.0, "recall_installs": 0}, {}, "--recall-installs must be"),
+    ({"warm_tokens": 1.0, "recall_installs": 2.5}, {}, "--recall-installs must be"),
 ])
 def test_bad_tier_flags(tiers, kwargs, message):
     with pytest.raises(KVFastError, match=message):
