@@ -17,8 +17,9 @@ separately: each (row, head)'s staged tokens become one warm page. On recall ste
 first step of every decode call, every token of a fed chunk such as a question, and every --recall-interval
 positions while generating) each layer scores its warm pages against the current query before it
 attends: Quest's bound sum over channels of max(q kmin, q kmax), max over the GQA group; the top R / P pages
-per (row, KV head) take the recall slots. A page already there is a hit and keeps its slots; misses fill the
-freed ones. Prefill with prompt compression demotes the prompt tokens it drops straight to warm pages, in
+per (row, KV head) are chosen. A chosen page already in a recall slot is a hit and stays there; the best misses,
+at most --recall-installs of them per recall, are dequantized into slots whose page was not chosen (the rest
+wait for the next recall, which comes at the next fed or generated token by default). Prefill with prompt compression demotes the prompt tokens it drops straight to warm pages, in
 position order, so a compressed prompt is recallable too.
 
 Counters (device tensors, read once at the end; COUNTERS): tokens demoted, pages flushed by decoding and
@@ -28,8 +29,8 @@ written by prefill, pages and tokens dropped cold, recall calls, page hits and m
 Deviation: the issue asks for the warm store in pinned host memory on CUDA with asynchronous copies. Here it
 lives on the compute device everywhere: recall runs inside the compiled step, which cannot read host memory.
 On CPU (this project's machines) that is the same memory anyway; the byte accounting is the one a host store
-would have. On a recall step, the graph rewrites every recall slot (static shapes); only misses are counted
-as moved, because only they would move between tiers.
+would have. A recall step writes a fixed number of pages (static shapes): the installed misses, and where
+there are fewer, slots rewritten with the page they hold; only misses are counted as moved.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ WARM_SCALE_DTYPE = torch.float16
 # what a tier flag left out means (--warm-tokens turns tiers on; eval's +warm combos default it to 1.0). Measured on
 # query-agnostic passkey and niah_multikey (2048 tokens, h2o and window at 25 %; README, "Tiers"): pages of 4
 # tokens (16 caught half a needle and missed the digits that follow), three quarters of the hot budget for
-# recall, and a recall at every step (a 7-digit value crosses pages while it is being copied; every 4 steps lost it)
-DEFAULTS = {"warm_bits": 4, "page_size": 4, "recall_slots": 0.75, "recall_interval": 1, "recall_installs": 1.0}
+# recall, and a recall at every step (a 7-digit value crosses pages while it is being copied; every 4 steps lost it).
+# A recall installs at most a quarter of the recall pages (the best misses; hits stay): on 16 of those samples every
+# answer was token-identical to installing all of them, and the recall step does a quarter of the copies
+DEFAULTS = {"warm_bits": 4, "page_size": 4, "recall_slots": 0.75, "recall_interval": 1, "recall_installs": 0.25}
 
 
 @dataclass(frozen=True)
@@ -490,7 +493,7 @@ def add_tier_args(parser, title: str = "KV tiers (demote evicted tokens to a qua
     g.add_argument("--recall-installs", type=float, default=None,
                    help="pages one recall may bring in per row and KV head, the best-scored first (the rest wait for "
                         "the next recall): a fraction of the recall pages or a number "
-                        f"({DEFAULTS['recall_installs']:g}: every chosen page)")
+                        f"({DEFAULTS['recall_installs']:g}; 1: every chosen page)")
 
 
 def check_tiers_for(policy: type[KVCache]) -> None:
