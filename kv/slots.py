@@ -74,14 +74,20 @@ def gather_tokens(x: Tensor, keep: Tensor | None, n: int) -> Tensor:
 
 
 def put_rows(buffer: Tensor, slot: Tensor, value: Tensor) -> None:
-    """buffer[..., slot[..., i], :] = value[..., i, :] for a contiguous buffer [*lead, C, *row] (slot [*lead, n],
-    value [*lead, n, *row]): an index_copy_ into the flattened rows. Inductor writes those rows in place, where
-    a scatter_ along the slot dimension became an out-of-place scatter plus a copy of the whole buffer back
-    (every slot of K and V read and written, per layer and step: 15-20 % of an h2o step at 4096 tokens)."""
+    """buffer[..., slot[..., i], :] = value[..., i, :] for a buffer [*lead, C, *row] (slot [*lead, n], value
+    [*lead, n, *row]), in place. Inductor writes just those rows; a scatter_ along the slot dimension became an
+    out-of-place scatter plus a copy of the whole buffer back (every slot of K and V read and written, per layer
+    and step: 15-20 % of an h2o step at 4096 tokens)."""
     lead = slot.shape[:-1]
-    C = buffer.shape[len(lead)]
-    base = torch.arange(lead.numel(), device=slot.device).view(*lead, 1) * C
-    buffer.view(lead.numel() * C, -1).index_copy_(0, (base + slot).flatten(), value.reshape(slot.numel(), -1))
+    if buffer.is_contiguous():  # index_copy_ into the flattened rows
+        C = buffer.shape[len(lead)]
+        base = torch.arange(lead.numel(), device=slot.device).view(*lead, 1) * C
+        buffer.view(lead.numel() * C, -1).index_copy_(0, (base + slot).flatten(), value.reshape(slot.numel(), -1))
+    else:  # a strided view (eval's MultiCache members slice one buffer): advanced indexing, in place too
+        index = [torch.arange(n, device=slot.device).view(*(n if i == d else 1 for i in range(len(lead))), 1)
+                 for d, n in enumerate(lead)]
+        buffer[(*index, slot)] = value
+
 
 
 class KVCache(nn.Module):
