@@ -194,3 +194,34 @@ def test_rows_evict_independently(policy):
     # random draws per (layer, row, head): a row alone is row 0, so only row 0 can be compared there
     for row in [0] if policy == "random" else [0, 1]:
         assert by_row[row] == kept_positions([row]), f"row {row} kept other tokens than when run alone"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("layout", ["slots", "pool", "strided view"])
+def test_put_rows_writes_exactly_the_rows_scatter_would(layout, compiled):
+    """kv.slots.put_rows (the decode write: in place, never a copy of the whole buffer) == scatter_ along the slot
+    dimension, for the uniform layout [B, H, C, W], the pool [B, P, W], a strided view (eval's MultiCache) and a
+    row shape of two dims (warm pages [B, H, pages, P, W])."""
+    from kv.slots import put_rows
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"slots": ((2, 3, 10, 4), 2), "pool": ((2, 12, 4), 3), "strided view": ((2, 3, 16, 4), 2)}
+    shape, n = shapes[layout]
+    base = torch.randn(shape, generator=g)
+    outside = base[:, :, 10:].clone()
+    buffer = base[:, :, :10] if layout == "strided view" else base
+    lead = buffer.shape[:-2]
+    slot = torch.stack([torch.randperm(buffer.shape[-2], generator=g)[:n] for _ in range(lead.numel())]).view(*lead, n)
+    value = torch.randn(*lead, n, buffer.shape[-1], generator=g)
+    expected = buffer.clone().scatter_(len(lead), slot.unsqueeze(-1).expand(value.shape), value)
+    write = torch.compile(put_rows, fullgraph=True) if compiled else put_rows
+    write(buffer, slot, value)
+    assert torch.equal(buffer, expected)
+    if layout == "strided view":
+        assert torch.equal(base[:, :, 10:], outside)  # nothing outside the view
+    pages = torch.randn(2, 3, 5, 4, 4, generator=g)  # a row of [P, W]
+    at = torch.tensor([[[1], [4], [0]], [[2], [2], [3]]])
+    page = torch.randn(2, 3, 1, 4, 4, generator=g)
+    expected = pages.clone().scatter_(2, at.view(2, 3, 1, 1, 1).expand(page.shape), page)
+    write(pages, at, page)
+    assert torch.equal(pages, expected)
