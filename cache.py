@@ -564,7 +564,7 @@ class CacheFactory:
                 "shared by the KV heads" if issubclass(self.cls, PoolCache) else "")
         t = self.tiers
         tiers = (f"; tiers: {t.recall_slots} of the slots hold recalled pages (recall every {t.recall_interval} "
-                 f"positions), warm store {t.warm_pages} pages x {t.page_size} tokens at {t.warm_bits} bits per "
+                 f"positions, up to {t.recall_installs} new pages each), warm store {t.warm_pages} pages x {t.page_size} tokens at {t.warm_bits} bits per "
                  "row and KV head" if t else "")
         if self.capacity_buckets not in (None, "off"):
             cap += f" (allocated in --capacity-buckets {self.capacity_buckets})"
