@@ -19,7 +19,8 @@ positions while generating) each layer scores its warm pages against the current
 attends: Quest's bound sum over channels of max(q kmin, q kmax), max over the GQA group; the top R / P pages
 per (row, KV head) are chosen. A chosen page already in a recall slot is a hit and stays there; the best misses,
 at most --recall-installs of them per recall, are dequantized into slots whose page was not chosen (the rest
-wait for the next recall, which comes at the next fed or generated token by default). Prefill with prompt compression demotes the prompt tokens it drops straight to warm pages, in
+wait for the next recall, which comes at the next fed or generated token by default; a miss is counted when it
+is installed). Prefill with prompt compression demotes the prompt tokens it drops straight to warm pages, in
 position order, so a compressed prompt is recallable too.
 
 Counters (device tensors, read once at the end; COUNTERS): tokens demoted, pages flushed by decoding and
@@ -127,8 +128,8 @@ def resolve_tiers(flags: dict[str, float | None], *, total: int, hot_budget: int
     if 0 < installs <= 1:  # a fraction of the recall pages, at least one
         installs = max(1, math.ceil(installs * recall_pages)) if recall_pages else 0
     elif installs != int(installs) or installs < 1:
-        raise KVFastError(f"--recall-installs must be a fraction in (0, 1] or a whole number of pages, got "
-                          f"{installs:g}")
+        raise KVFastError(f"--recall-installs must be a fraction in (0, 1] or a whole number of pages above 1, "
+                          f"got {installs:g}")
     return TierSpec(page, pages, bits, slots, int(interval), min(int(installs), recall_pages))
 
 
@@ -492,7 +493,7 @@ def add_tier_args(parser, title: str = "KV tiers (demote evicted tokens to a qua
                         f"({DEFAULTS['recall_interval']})")
     g.add_argument("--recall-installs", type=float, default=None,
                    help="pages one recall may bring in per row and KV head, the best-scored first (the rest wait for "
-                        "the next recall): a fraction of the recall pages or a number "
+                        "the next recall): a fraction in (0, 1] of the recall pages, or a number above 1 "
                         f"({DEFAULTS['recall_installs']:g}; 1: every chosen page)")
 
 
