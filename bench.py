@@ -7,6 +7,7 @@
     python bench.py --section prefill     # what each prompt compressor adds to a plain prefill (kvzip, ...)
     python bench.py --section compile     # cold / warm / portable compile per policy, whole step vs one block
     python bench.py --section tiers       # tiered (kv.tiers) vs plain decode step at the same hot budget, 4096 tokens
+    python bench.py --section speculate   # self-speculative decoding (speculate.py) vs plain, on real text
 
 Markdown tables go to stdout, everything measured to --json.
 """
@@ -64,20 +65,21 @@ def time_ours(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile
     model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, prompt.shape[1], new_tokens))
     decoder = Decoder(model, compile=compile)
 
-    def run() -> tuple[float, float]:
+    def run() -> tuple[float, float, Tensor]:
         for c in model.caches:
             c.reset()
         with torch.inference_mode():
             t0 = time.perf_counter()
             first = decoder.prefill(model, prompt, 0.0, None)
             t1 = time.perf_counter()
-            decoder.decode(first, prompt.shape[1], new_tokens - 1)
+            rest = decoder.decode(first, prompt.shape[1], new_tokens - 1)
             t2 = time.perf_counter()
-        return t1 - t0, (new_tokens - 1) / (t2 - t1)
+        return t1 - t0, (new_tokens - 1) / (t2 - t1), torch.cat([first, rest], 1)
 
     run()  # warm-up (compilation)
     runs = [run() for _ in range(repeats)]
-    return {"prefill_s": statistics.median(r[0] for r in runs), "tok_s": statistics.median(r[1] for r in runs)}
+    return {"prefill_s": statistics.median(r[0] for r in runs), "tok_s": statistics.median(r[1] for r in runs),
+            "tokens": runs[-1][2][0].tolist()}
 
 
 def load_hf_gguf(gguf: Path):
@@ -108,31 +110,62 @@ def time_hf(gguf: Path, prompt: torch.Tensor, new_tokens: int, repeats: int) -> 
     return {"prefill_s": t_prefill, "tok_s": (new_tokens - 1) / (t_all - t_prefill)}
 
 
+def agreement(a: list[int], b: list[int]) -> int:
+    """Greedy tokens two engines produce alike before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
-    torch.manual_seed(0)
-    prompt = torch.randint(100, model.args.vocab_size - 100, (1, args.prompt_len))
-    bandwidth = copy_bandwidth()
-    wbytes = model.weight_bytes()
-    floor_tok_s = bandwidth / wbytes
-    rows = {}
+    """Per prompt length: HF transformers, our eager and compiled decode for each --weights mode, and the
+    --peers (llama.cpp on the GGUF the checkpoint came from), all on the same prompt ids in this run."""
+    import quantize
     from scripts.prepare import default_gguf
 
-    if not args.skip_hf:
-        rows["HF transformers generate (fp32, eager)"] = time_hf(default_gguf(Path(__file__).parent), prompt,
-                                                                 args.new_tokens, args.repeats)
-    rows["kvfast eager"] = time_ours(model, prompt, args.new_tokens, False, args.repeats)
-    rows["kvfast compiled"] = time_ours(model, prompt, args.new_tokens, True, args.repeats)
+    if any(m != "fp32" for m in args.weights) and isinstance(model.tok_embeddings, quantize.Int8Embedding):
+        raise KVFastError("--weights int8/int4 quantize the float model in memory: give the float checkpoint")
+    bandwidth = copy_bandwidth()
+    threads = torch.get_num_threads()
+    gguf = default_gguf(Path(__file__).parent) if args.peers or not args.skip_hf else None
+    out = {"copy_bandwidth_GBs": bandwidth / 1e9, "new_tokens": args.new_tokens, "threads": threads, "lengths": {}}
+    models = {mode: quantize.quantized_copy(model, mode) for mode in args.weights}
+    for prompt_len in args.prompt_len:
+        torch.manual_seed(0)
+        prompt = torch.randint(100, model.args.vocab_size - 100, (1, prompt_len))
+        rows = {}
+        if not args.skip_hf:
+            rows["HF transformers generate (fp32, eager)"] = time_hf(gguf, prompt, args.new_tokens, args.repeats)
+        rows["kvfast eager (fp32)"] = time_ours(model, prompt, args.new_tokens, False, args.repeats)
+        for mode in args.weights:
+            rows[f"kvfast compiled ({mode})"] = time_ours(models[mode], prompt, args.new_tokens, True, args.repeats)
+            rows[f"kvfast compiled ({mode})"]["weight_bytes"] = models[mode].weight_bytes()
+            torch._dynamo.reset()
+        if "llama.cpp" in args.peers:
+            from scripts.peer_llamacpp import time_llamacpp
+
+            rows[f"llama.cpp ({gguf.name.split('.')[-2]}, prebuilt CPU build)"] = time_llamacpp(
+                gguf, prompt[0].tolist(), args.new_tokens, threads, args.repeats)
+        out["lengths"][prompt_len] = rows
+        print_engine_table(rows, prompt_len, bandwidth, args)
+    return out
+
+
+def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argparse.Namespace) -> None:
     hf = rows.get("HF transformers generate (fp32, eager)")
-    print(f"\nmachine copy bandwidth: {bandwidth / 1e9:.1f} GB/s; weights {wbytes / 1e6:.0f} MB -> floor "
-          f"{1e3 / floor_tok_s:.1f} ms/token = {floor_tok_s:.1f} tok/s")
-    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, median of {args.repeats}\n")
-    print("| engine | prefill (s) | decode tok/s | vs HF | % of bandwidth floor |")
-    print("|---|---|---|---|---|")
+    peer = next((r for name, r in rows.items() if name.startswith("llama.cpp")), None)
+    ref = rows.get("kvfast compiled (fp32)", {}).get("tokens")
+    print(f"\nprompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
+          f"greedy, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    if peer:
+        print(f"llama.cpp system_info: {peer['system_info']}")
+    print("\n| engine | prefill (s) | decode tok/s | vs HF | vs llama.cpp | % of bandwidth floor | "
+          "greedy tokens equal to kvfast fp32 |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        vs = f"{r['tok_s'] / hf['tok_s']:.2f}x" if hf else "-"
-        print(f"| {name} | {r['prefill_s']:.2f} | {r['tok_s']:.1f} | {vs} | {100 * r['tok_s'] / floor_tok_s:.0f} % |")
-    return {"copy_bandwidth_GBs": bandwidth / 1e9, "weight_bytes": wbytes, "floor_tok_s": floor_tok_s,
-            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": rows}
+        vs_hf = f"{r['tok_s'] / hf['tok_s']:.2f}x" if hf else "-"
+        vs_peer = f"{r['tok_s'] / peer['tok_s']:.2f}x" if peer else "-"
+        floor = f"{100 * r['tok_s'] * r['weight_bytes'] / bandwidth:.0f} %" if "weight_bytes" in r else "-"
+        same = f"{agreement(r['tokens'], ref)} of {len(ref)}" if ref and "tokens" in r else "-"
+        print(f"| {name} | {r['prefill_s']:.2f} | {r['tok_s']:.1f} | {vs_hf} | {vs_peer} | {floor} | {same} |")
 
 
 # ---- policies: decode step time at long context --------------------------------------------------------------
@@ -417,7 +450,6 @@ def bench_kv_bits(model: Transformer, checkpoint: Path, args: argparse.Namespace
 def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
     """Each mode quantizes the float model in memory (what quantize.py writes), then decodes compiled and is
     teacher-forced over --quality-tokens of real text against the float model's distributions."""
-    import copy
 
     import torch.nn.functional as F
 
@@ -432,14 +464,13 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
     _, tokenizer = load(checkpoint, "cpu", torch.float32)
     ids = torch.tensor([tokenizer.encode(evaltasks.load_text(args.quality_text))[: args.quality_tokens]])
     torch.manual_seed(0)
-    prompt = torch.randint(100, model.args.vocab_size - 100, (1, args.prompt_len))
+    prompt = torch.randint(100, model.args.vocab_size - 100, (1, args.prompt_len[0]))
     model.setup_caches(lambda i: None)
     with torch.inference_mode():
         ref = F.log_softmax(model(ids, all_logits=True)[0, :-1], -1)
     rows = {}
     for mode in ["fp32", "int8", *(f"int4-g{g}" for g in args.group_sizes)]:
-        m = model if mode == "fp32" else quantize.quantize_model(
-            copy.deepcopy(model), mode[:4], int(mode[6:]) if mode.startswith("int4") else 0)
+        m = quantize.quantized_copy(model, mode)
         m.setup_caches(lambda i: None)  # a plain causal forward: no cache to fill
         with torch.inference_mode():
             lp = F.log_softmax(m(ids, all_logits=True)[0, :-1], -1)
@@ -450,7 +481,7 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
                       **time_ours(m, prompt, args.new_tokens, True, args.repeats)}
         torch._dynamo.reset()
     fp32 = rows["fp32"]["tok_s"]
-    print(f"\nweights quantized in memory (quantize.quantize_model); decode: compiled, prompt {args.prompt_len}, "
+    print(f"\nweights quantized in memory (quantize.quantize_model); decode: compiled, prompt {args.prompt_len[0]}, "
           f"{args.new_tokens} new tokens, median of {args.repeats}; quality: {ids.shape[1]} tokens of "
           f"{args.quality_text!r} teacher-forced, KL(fp32 || mode) and top-1 agreement per position\n")
     print("| weights | MB | decode tok/s | vs fp32 | perplexity | KL vs fp32 | top-1 vs fp32 |")
@@ -464,14 +495,22 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
-    p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "tiers", "compile", "all"],
+    p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "tiers", "compile",
+                                                "speculate", "all"],
                    default="engine", help="which tables")
     p.add_argument("--compressors", nargs="+", default=["snapkv", "h2o", "expected_attention", "kvzip"],
                    help="prefill table: prompt compressors")
     p.add_argument("--kvzip-dtypes", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16", "auto"],
                    help="prefill table: precisions of kvzip's reconstruction pass, a column each")
-    p.add_argument("--prompt-len", type=int, default=512, help="engine and compile tables: prompt tokens")
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[512],
+                   help="engine table: prompt lengths, a table each; compile table: prompt tokens (the first)")
+    p.add_argument("--weights", nargs="+", default=["fp32"], choices=["fp32", "int8", "int4-g32", "int4-g64"],
+                   help="engine and speculate tables: weights of the compiled kvfast rows, quantized in memory as quantize.py "
+                        "writes them")
+    p.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"],
+                   help="engine table: other engines timed in the same run on the same prompts (llama.cpp: its "
+                        "prebuilt CPU build on the checkpoint's GGUF, installed on first use into .peers/)")
     p.add_argument("--new-tokens", type=int, default=128, help="engine and compile tables: tokens decoded")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
     p.add_argument("--skip-hf", action="store_true", help="engine table without the HF transformers row")
@@ -480,8 +519,8 @@ def main(argv: list[str] | None = None) -> None:
                         "tiers table: evicting policies to run plain and tiered (default: h2o); compile table: "
                         "(default: full h2o scissorhands snapkv, at a budget of 0.5)")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="policies, kv-bits and prefill tables: prompts (default: 512 2048 4096); tiers table: "
-                        "(default: 4096)")
+                   help="policies, kv-bits and prefill tables: prompts (default: 512 2048 4096); tiers and speculate "
+                        "tables: (default: 4096)")
     p.add_argument("--budget", type=float, default=0.25, help="policies, kv-bits and tiers tables: cache budget")
     p.add_argument("--steps", type=int, default=16,
                    help="policies and kv-bits tables: decode steps per timed repeat; tiers table: steps per timed "
@@ -500,6 +539,11 @@ def main(argv: list[str] | None = None) -> None:
                         "skip those rows)")
     p.add_argument("--lengths-only", action="store_true",
                    help="compile table: only the ten-prompt-lengths rows (no cold / warm / portable runs)")
+    p.add_argument("--drafts", nargs="+", default=["window@0.05", "window@0.1"],
+                   help="speculate table: draft caches as POLICY@BUDGET (an evicting policy; a fraction of prompt + "
+                        "new tokens or a slot count)")
+    p.add_argument("--draft-k", type=int, nargs="+", default=[2, 3, 4],
+                   help="speculate table: drafts per round (--speculate K), a row each")
     p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")
     add_tier_flags(p, "tiers table: the tiered policy's settings")
     args = p.parse_args(argv)
@@ -532,12 +576,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.section in ("tiers", "all"):
         args.lengths = tier_lengths
         out["tiers"] = bench_tiers(model, args)
+    if args.section in ("speculate", "all"):
+        from benchspeculate import bench_speculate
+
+        args.lengths = tier_lengths or [4096]
+        out["speculate"] = bench_speculate(model, checkpoint, args)
     if args.section in ("compile", "all"):
         from benchcompile import bench_compile, bench_lengths
 
         if not args.lengths_only:
             out["compile"] = bench_compile(checkpoint, args.policies or ["full", "h2o", "scissorhands", "snapkv"],
-                                           args.prompt_len, args.new_tokens, 0.5)
+                                           args.prompt_len[0], args.new_tokens, 0.5)
         if args.length_policies:
             out["compile_lengths"] = bench_lengths(checkpoint, args.length_policies, "block", ["off", *args.buckets])
     args.json.write_text(json.dumps(out, indent=1))

@@ -158,6 +158,16 @@ def quantize_model(model: Transformer, mode: str, group_size: int = 32) -> Trans
     return model
 
 
+def quantized_copy(model: Transformer, weights: str) -> Transformer:
+    """A copy of the float model with weights "fp32" (the model itself), "int8" or "int4-gN" (bench.py)."""
+    if weights == "fp32":
+        return model
+    import copy
+
+    mode, _, group = weights.partition("-g")
+    return quantize_model(copy.deepcopy(model), mode, int(group or 32))
+
+
 def prepare_quantized(model: Transformer, state: dict[str, Tensor], source: Path) -> None:
     """Swap the (meta) float modules of `model` for the quantized ones a quantize.py state dict holds."""
     wqkv = state.get("layers.0.attention.wqkv.scales")

@@ -52,6 +52,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see eval.py: spinning Ope
 
 import evaltasks as tasks
 from model import KVFastError
+from scripts.peer_env import ensure_peer_env as ensure_peer_env_with
+from scripts.peer_env import one_line, worker_env
 from scripts.peer_kvpress_worker import KVZIP_TOKENIZERS, ids_hash
 
 WORKER = Path(__file__).resolve().parent / "peer_kvpress_worker.py"
@@ -272,40 +274,9 @@ class Store:
 
 
 # ---- the kvpress environment -------------------------------------------------------------------------------
-def one_line(text: str, limit: int = 400) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    tail = " | ".join(lines[-4:])
-    return tail[-limit:] if tail else "(no output)"
-
-
 def ensure_peer_env(env: Path) -> Path:
     """The peer environment's python, creating the environment and installing kvpress on first use."""
-    python = env / "bin" / "python"
-    stamp = env / ".kvfast-installed"
-    if stamp.exists() and stamp.read_text().split() == list(KVPRESS_REQUIREMENTS) and python.exists():
-        return python
-    print(f"installing {' '.join(KVPRESS_REQUIREMENTS)} into {env} (first use, a few minutes)...", flush=True)
-    steps = ([] if python.exists() else [[sys.executable, "-m", "venv", str(env)]])
-    # torch==2.13.0 resolves like requirements.txt does (the CPU wheel on local disk, via pip's config)
-    steps.append([str(python), "-m", "pip", "install", "--quiet", *KVPRESS_REQUIREMENTS])
-    steps.append([str(python), "-c", "import kvpress, gguf, transformers"])
-    for cmd in steps:
-        try:
-            done = subprocess.run(cmd, check=False, capture_output=True, text=True)
-        except OSError as e:
-            raise KVFastError(f"cannot install kvpress into {env}: {e}") from None
-        if done.returncode != 0:
-            raise KVFastError(f"cannot install kvpress into {env}: {one_line(done.stderr or done.stdout)}")
-    stamp.write_text("\n".join(KVPRESS_REQUIREMENTS) + "\n")
-    return python
-
-
-def worker_env(threads: int | None) -> dict[str, str]:
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
+    return ensure_peer_env_with(env, KVPRESS_REQUIREMENTS, "import kvpress, gguf, transformers")
 
 
 def hf_model_ready(folder: Path) -> bool:

@@ -1,0 +1,74 @@
+"""bench.py --peers llama.cpp: the peer runs in its own environment, fails in one line, and (where its
+environment exists) decodes the default model's GGUF greedily into the tokens our model produces."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bench
+from model import KVFastError, Transformer
+from scripts import peer_llamacpp
+from scripts.prepare import default_gguf
+
+
+def test_install_uses_no_deps_and_fails_in_one_line(tmp_path, monkeypatch) -> None:
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").write_text("")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for "
+                                                       "llama-cpp-cffi==0.4.20\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    with pytest.raises(KVFastError) as e:
+        peer_llamacpp.time_llamacpp(gguf, [1, 2, 3], 4, 1, 1, env=env)
+    assert "\n" not in str(e.value) and str(e.value).startswith("cannot install llama-cpp-cffi==0.4.20")
+    assert "--no-deps" in seen[0]  # the wheel's own dependencies (transformers, ...) stay out
+
+
+def test_worker_failure_is_one_line(tmp_path) -> None:
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").symlink_to(sys.executable)
+    (env / ".kvfast-installed").write_text("\n".join(peer_llamacpp.LLAMACPP_REQUIREMENTS) + "\n")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(KVFastError) as e:  # our python has no llama.cpp module: the worker dies at import
+        peer_llamacpp.time_llamacpp(gguf, [1, 2, 3], 4, 1, 1, env=env)
+    assert str(e.value).startswith("llama.cpp worker failed (exit 1)") and "\n" not in str(e.value)
+
+
+def test_missing_gguf_and_unknown_peer(tmp_path) -> None:
+    with pytest.raises(KVFastError, match="needs the GGUF"):
+        peer_llamacpp.time_llamacpp(tmp_path / "none.gguf", [1], 2, 1, 1, env=tmp_path)
+    with pytest.raises(KVFastError, match="invalid choice: 'vllm'"):
+        bench.main(["--peers", "vllm"])
+
+
+def test_agreement_counts_the_common_prefix() -> None:
+    assert bench.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert bench.agreement([1, 2], [1, 2, 3]) == 2
+    assert bench.agreement([5], [6]) == 0
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.skipif(not (peer_llamacpp.DEFAULT_ENV / ".kvfast-installed").exists(),
+                    reason="the llama.cpp peer environment is made by bench.py --peers llama.cpp")
+def test_llamacpp_decodes_what_our_model_decodes(default_checkpoint) -> None:
+    """Same GGUF, same prompt ids, greedy: llama.cpp's tokens are ours (its Q4_1 x Q8 dot products round
+    differently from our fp32 ones, so only a short prefix is held to exact equality)."""
+    model = Transformer.from_checkpoint(default_checkpoint)
+    torch.manual_seed(0)
+    prompt = torch.randint(100, model.args.vocab_size - 100, (1, 48))
+    ours = bench.time_ours(model, prompt, 8, compile=False, repeats=1)
+    theirs = peer_llamacpp.time_llamacpp(default_gguf(), prompt[0].tolist(), 8, 2, 1)
+    assert theirs["tok_s"] > 0 and "CPU" in theirs["system_info"]
+    assert bench.agreement(ours["tokens"], theirs["tokens"]) >= 4, (ours["tokens"], theirs["tokens"])
