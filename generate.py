@@ -321,6 +321,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32 on CPU, which has no fast bf16 here; bfloat16 on GPU)")
     kvcache.add_cache_args(p)
+    g = p.add_argument_group("self-speculative decoding (speculate.py)")
+    g.add_argument("--speculate", type=int, default=None, metavar="K",
+                   help="draft K tokens per round with a compressed cache and verify them with the full cache in "
+                        "one step (one row; greedy output equals plain decoding)")
+    g.add_argument("--draft-cache", default=None,
+                   help="--speculate: the draft cache's policy (any evicting one, at its defaults; default window)")
+    g.add_argument("--draft-budget", type=float, default=None,
+                   help="--speculate: the draft cache's slots per layer, a fraction in (0, 1] of prompt + new "
+                        "tokens or a number (> 1) (default 0.1)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     args = p.parse_args(argv)
     if args.max_new_tokens <= 0:
@@ -342,6 +351,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "max-autotune-no-cudagraphs")
     if args.compile_cache and not (args.compile or args.compile_prefill):
         p.error("--compile-cache needs --compile or --compile-prefill")
+    if args.speculate is None and (args.draft_cache or args.draft_budget):
+        p.error(f"--draft-{'cache' if args.draft_cache else 'budget'} needs --speculate")
+    if args.speculate is not None:
+        args.draft_cache, args.draft_budget = args.draft_cache or "window", args.draft_budget or 0.1
+        if args.speculate < 1:
+            p.error(f"--speculate must be >= 1, got {args.speculate}")
+        if args.batch_size != 1 or (args.cache or "full") != "full":
+            p.error("--speculate decodes one row with --cache full verifying (rows would accept different "
+                    "numbers of drafts): drop --batch-size / --cache")
+        if args.draft_cache not in kvcache.POLICIES or not kvcache.POLICIES[args.draft_cache].evicts:
+            evicting = ", ".join(n for n, c in kvcache.POLICIES.items() if c.evicts)
+            p.error(f"--draft-cache must be an evicting policy ({evicting}), got {args.draft_cache!r}")
     return args
 
 
@@ -389,35 +410,40 @@ def main(argv: list[str] | None = None) -> None:
     ids = tokenizer.encode(prompt_text, bos=tokenizer.add_bos)
     if not ids:
         raise KVFastError("the prompt is empty")
-    total = len(ids) + args.max_new_tokens
+    total = len(ids) + args.max_new_tokens + (args.speculate or 0)
     if total > model.args.max_seq_len:
-        raise KVFastError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
-                          f"model's maximum length of {model.args.max_seq_len} tokens")
+        drafts = f" + --speculate ({args.speculate})" if args.speculate else ""
+        raise KVFastError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}){drafts} exceeds "
+                          f"the model's maximum length of {model.args.max_seq_len} tokens")
     idx = torch.tensor([ids] * args.batch_size, dtype=torch.long, device=args.device)
-    make_cache = kvcache.cache_factory_from_args(args, args.batch_size, model.args, len(ids), args.max_new_tokens,
-                                                 dtype, args.device, tokenizer)
+    room = args.max_new_tokens + (args.speculate or 0)  # a verification writes up to K positions past the end
+    make_cache = kvcache.cache_factory_from_args(args, args.batch_size, model.args, len(ids), room, dtype,
+                                                 args.device, tokenizer)
     if make_cache.prompt_compression == "kvzip" and len(ids) <= min(make_cache.prompt_capacities):
         print(f"kvzip: the prompt ({len(ids)} tokens) fits the cache ({min(make_cache.prompt_capacities)} prompt "
               "slots per layer): nothing to compress, no reconstruction pass")
     model.setup_caches(make_cache)
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill,
                       mode=args.compile_mode, scope=args.compile_scope, dynamic_capacity=args.dynamic_capacity)
+    runner = decoder if args.speculate is None else speculator(model, decoder, args, len(ids), dtype)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
     weight_bytes = model.weight_bytes()
     compiled = args.compile or args.compile_prefill
     if compiled:
-        warm_up(decoder, idx, args)
+        warm_up(runner, idx, args)
 
     timings = []
     for i in range(args.num_samples):
         graphs_before = _graphs()
         for c in model.caches:
             c.reset()
+        if runner is not decoder:
+            runner.reset()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            first = decoder.prefill(model, idx, args.temperature, args.top_k)
+            first = runner.prefill(model, idx, args.temperature, args.top_k)
             t_prefill = time.perf_counter() - t0
-            new = decoder.decode(first, len(ids), args.max_new_tokens - 1, args.temperature, args.top_k, stop_ids)
+            new = runner.decode(first, len(ids), args.max_new_tokens - 1, args.temperature, args.top_k, stop_ids)
         _sync(args.device)
         elapsed = time.perf_counter() - t0
         tokens = torch.cat([first, new], dim=1)
@@ -449,6 +475,19 @@ def main(argv: list[str] | None = None) -> None:
               + f"; {_graphs()} graphs, {_dynamo_count('recompiles')} recompiles, "
               f"{_dynamo_count('graph_break')} graph breaks")
     print_cache_stats(model, make_cache)
+    if runner is not decoder:
+        print(runner.report())
+
+
+def speculator(model: Transformer, decoder: Decoder, args: argparse.Namespace, prompt_len: int, dtype: torch.dtype):
+    """--speculate: the draft caches beside the full ones (whose factory left room for K drafts past the end)."""
+    from speculate import Speculator
+
+    draft = kvcache.make_cache_factory(args.draft_cache, 1, model.args, prompt_len, args.max_new_tokens + args.speculate,
+                                       budget=args.draft_budget, dtype=dtype, device=args.device)
+    if draft.prompt_compression == "kvzip":
+        raise KVFastError("--draft-cache: kvzip's prompt compression needs a pass of its own; choose another")
+    return Speculator(model, decoder, [draft(i) for i in range(model.args.n_layers)], args.speculate)
 
 
 def warm_up(decoder: Decoder, idx: Tensor, args: argparse.Namespace) -> None:

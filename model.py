@@ -270,7 +270,8 @@ class Transformer(nn.Module):
                 recall: bool = False) -> Tensor:
         """idx: [B, S]. input_pos None = prefill of a fresh sequence at positions 0..S-1 (returns the last
         position's logits, [B, 1, V], unless all_logits); else one decode token at input_pos ([1]), which
-        first recalls evicted tokens into the caches if `recall` (a tiered cache, kv.tiers)."""
+        first recalls evicted tokens into the caches if `recall` (a tiered cache, kv.tiers), or a chunk of
+        tokens at consecutive positions input_pos [S] (the full cache only: speculate.py's verification)."""
         h = self.hidden(idx, input_pos, recall)
         return self.logits(h if all_logits else h[:, -1:])
 

@@ -36,6 +36,19 @@ class FullCache(KVCache):
         B, H, _ = self.slot_pos.shape
         return input_pos.view(1, 1).expand(B, H)
 
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Also several new tokens at once (speculate.py's verification of K drafts): token t into slot t, each
+        query attending to the slots up to its own position."""
+        n = input_pos.numel()
+        if n == 1:
+            return super().update(input_pos, k, v)
+        B, H, _ = self.slot_pos.shape
+        self.write_slots(input_pos.view(1, 1, n).expand(B, H, n), k, v)
+        self.slot_pos[:, :, input_pos] = input_pos
+        self.seen.copy_(input_pos[-1:] + 1)
+        pos = self.slot_pos.unsqueeze(2)
+        return *self.keys_values(), (pos >= 0) & (pos <= input_pos.view(1, 1, n, 1))
+
 
 class WindowCache(KVCache):
     """StreamingLLM (Xiao et al., ICLR 2024, arXiv:2309.17453): the first n_sinks tokens + a recent window.

@@ -249,6 +249,12 @@ class KVCache(nn.Module):
         self.on_insert(slot, k, input_pos)
         return *self.keys_values(), (self.slot_pos >= 0).unsqueeze(2)
 
+    def truncate(self, length: int) -> None:
+        """Forget every token at position >= length (speculate.py's rejected drafts): their slots become empty
+        and fill first. What the policy evicted to make room for them stays evicted."""
+        self.slot_pos.masked_fill_(self.slot_pos >= length, -1)
+        self.seen.fill_(length)
+
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """Per KV head, the slot the new token goes to: an empty one, else the lowest-scored evictable one."""
         return self.protect(self.slot_scores(input_pos), input_pos).argmin(dim=-1)

@@ -1,0 +1,188 @@
+"""Self-speculative decoding (--speculate K): the model drafts K tokens with a compressed cache of its own and
+verifies them with its full cache in one (K + 1)-token step. MagicDec (Chen et al. 2024, arXiv:2408.11049) and
+TriForce (Sun et al. 2024, arXiv:2404.11912): at long context the full cache dominates a step's bytes, so a
+draft step over a small cache (--draft-cache window|h2o|..., --draft-budget) costs a fraction of a full step,
+and one verification reads the full cache once for K + 1 positions.
+
+Greedy output is token for token plain decoding's (the full cache decides every token; tested). Sampled
+output follows the speculative sampling rule (Leviathan et al., ICML 2023): draft token d is kept with
+probability min(1, p(d) / q(d)), a rejection samples from max(0, p - q), so tokens are distributed as plain
+sampling from the full cache. One row at a time (rows would accept different counts).
+
+A round, with x the last token (not yet in either cache) at position t:
+    draft:   x, d1 .. d_{K-1} through the draft cache at t .. t+K-1  ->  d1 .. dK
+    verify:  x, d1 .. dK through the full cache at t .. t+K          ->  K + 1 target distributions
+    accept n drafts, then the target's own token at t+n+1 (a correction, or a bonus when n = K)
+    both caches forget positions > t+n (KVCache.truncate); when n = K the draft reads dK, which it never saw.
+The draft cache's evictions during a rejected stretch are not undone: they only change later drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from generate import Decoder, logits_to_probs, run_block
+from model import KVFastError, Transformer
+
+
+class Prefill(nn.Module):
+    """Stands in for a layer's cache during the prompt: both caches keep the prompt from one forward pass."""
+
+    needs_attention = False
+
+    def __init__(self, target: nn.Module, draft: nn.Module):
+        super().__init__()
+        self.target, self.draft = target, draft
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        self.target.prefill(q, k, v)
+        self.draft.prefill(q, k, v)
+
+
+def verify_tokens(model: Transformer, tokens: Tensor, input_pos: Tensor) -> Tensor:
+    """The full cache's logits [B, K+1, V] for tokens [B, K+1] at positions input_pos [K+1]."""
+    return model(tokens, input_pos, all_logits=True)
+
+
+def run_chunk_block(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor,
+                    recall: bool) -> Tensor:
+    """run_block for the verification chunk: a function of its own, so dynamo compiles the (K + 1)-token block
+    apart from the one-token block instead of making the sequence length dynamic in both."""
+    return run_block(layer, x, cos, sin, input_pos, recall)
+
+
+def all_logits(model: Transformer, h: Tensor) -> Tensor:
+    return model.logits(h)
+
+
+def accept(drafts: Tensor, draft_probs: Tensor | None, logits: Tensor, temperature: float,
+           top_k: int | None) -> tuple[int, int]:
+    """How many of the K drafts [K] to keep and the token that follows them, from the full cache's logits
+    [K+1, V]; draft_probs [K, V] are the distributions the drafts were sampled from (None when greedy)."""
+    K = drafts.shape[0]
+    if temperature <= 0:
+        target = logits.argmax(-1)
+        n = int((drafts == target[:K]).int().cumprod(0).sum())
+        return n, int(target[n])
+    p = logits_to_probs(logits, temperature, top_k)
+    for i in range(K):
+        d = drafts[i]
+        if torch.rand(()) * draft_probs[i, d] <= p[i, d]:  # accepted with probability min(1, p / q)
+            continue
+        residual = (p[i] - draft_probs[i]).clamp(min=0)
+        return i, int(torch.multinomial(residual / residual.sum(), 1))
+    return K, int(torch.multinomial(p[K], 1))
+
+
+class Speculator:
+    """Holds both caches per layer and the compiled draft step (the Decoder's) and verification step."""
+
+    def __init__(self, model: Transformer, decoder: Decoder, draft_caches: list[nn.Module], k: int):
+        if k < 1:
+            raise KVFastError(f"--speculate must be >= 1, got {k}")
+        if model.caches[0].name != "full":
+            raise KVFastError(f"--speculate verifies with the full cache: use --cache full, not "
+                              f"{model.caches[0].name!r}")
+        if model.caches[0].batch_size != 1:
+            raise KVFastError("--speculate decodes one row (rows would accept different numbers of drafts): "
+                              "use --batch-size 1")
+        self.model, self.decoder, self.k = model, decoder, k
+        self.target, self.draft = model.caches, draft_caches
+        self.verify = verify_tokens
+        if decoder.scope == "block":
+            # dynamic=False: another K is another static graph, never a dynamic chunk length
+            block = torch.compile(run_chunk_block, mode=decoder.mode, fullgraph=True, dynamic=False)
+            head = torch.compile(all_logits, mode=decoder.mode, fullgraph=True, dynamic=False)
+            self.verify = lambda m, tokens, pos: head(m, m.hidden(tokens, pos, run_block=block))
+        elif decoder.scope == "step":
+            self.verify = torch.compile(verify_tokens, mode=decoder.mode, fullgraph=True, dynamic=False)
+        self.rounds = self.drafted = self.accepted = 0
+
+    def use(self, caches: list[nn.Module]) -> None:
+        for layer, cache in zip(self.model.layers, caches):
+            layer.attention.kv_cache = cache
+
+    def reset(self) -> None:
+        for cache in (*self.target, *self.draft):
+            cache.reset()
+        self.rounds = self.drafted = self.accepted = 0
+
+    def prefill(self, model: Transformer, idx: Tensor, temperature: float, top_k: int | None) -> Tensor:
+        """Both caches take the prompt from one forward pass; the first token is the full cache's."""
+        self.use([Prefill(t, d) for t, d in zip(self.target, self.draft)])
+        try:
+            return self.decoder.prefill(model, idx, temperature, top_k)
+        finally:
+            self.use(self.target)
+
+    def draft_tokens(self, x: Tensor, pos: int, temperature: float, top_k: int | None
+                     ) -> tuple[Tensor, Tensor | None]:
+        """K draft tokens [K] after x [1, 1] at pos, and (sampling) the distributions they came from [K, V]."""
+        self.use(self.draft)
+        interval = self.decoder.refresh_interval()
+        drafts, probs = [], []
+        input_pos = torch.tensor([pos], device=x.device)
+        for i in range(self.k):
+            if interval and (pos + i) % interval == 0:
+                self.decoder.refresh(self.model)
+            x, logits = self.decoder.step(self.model, x, input_pos, temperature, top_k)
+            x = x.clone()
+            drafts.append(x)
+            if temperature > 0:
+                probs.append(logits_to_probs(logits[0, -1], temperature, top_k))
+            input_pos = input_pos + 1
+        self.use(self.target)
+        return torch.cat(drafts, 1)[0], torch.stack(probs) if probs else None
+
+    def round(self, x: Tensor, pos: int, temperature: float, top_k: int | None) -> list[int]:
+        """One draft-and-verify round from x [1, 1] at pos: the n + 1 tokens it decides."""
+        drafts, draft_probs = self.draft_tokens(x, pos, temperature, top_k)
+        chunk = torch.cat([x[0], drafts]).view(1, -1)
+        positions = torch.arange(pos, pos + self.k + 1, device=x.device)
+        logits = self.verify(self.model, chunk, positions)[0]
+        n, following = accept(drafts, draft_probs, logits, temperature, top_k)
+        for cache in self.target:
+            cache.truncate(pos + n + 1)
+        for cache in self.draft:
+            cache.truncate(pos + n + 1)
+        if n == self.k:  # the draft has not read its own last token
+            self.use(self.draft)
+            self.decoder.step(self.model, drafts[-1].view(1, 1), torch.tensor([pos + self.k], device=x.device),
+                              temperature, top_k)
+            self.use(self.target)
+        self.rounds += 1
+        self.drafted += self.k
+        self.accepted += n
+        return [*drafts[:n].tolist(), following]
+
+    def decode(self, x: Tensor, start_pos: int, n: int, temperature: float = 0.0, top_k: int | None = None,
+               stop_ids: set[int] | None = None) -> Tensor:
+        """Up to n tokens after x [1, 1] at start_pos, like Decoder.decode: [1, <=n]."""
+        out: list[int] = []
+        pos = start_pos
+        while len(out) < n:
+            new = self.round(x, pos, temperature, top_k)
+            out.extend(new)
+            pos += len(new)
+            x = torch.tensor([[new[-1]]], device=x.device)
+            if stop_ids and any(t in stop_ids for t in new):
+                break
+        return torch.tensor([out[:n]], device=x.device)
+
+    def warm_up(self, idx: Tensor, temperature: float = 0.0, top_k: int | None = None) -> tuple[int, int]:
+        """Compile the draft step and the verification on throwaway state (no prefill), as Decoder.warm_up
+        does; the draft's catch-up step is the draft step again. Returns (draft steps, refreshes)."""
+        with torch.random.fork_rng(), torch.inference_mode():
+            self.reset()
+            self.round(idx[:, -1:].clone(memory_format=torch.contiguous_format), idx.shape[1], temperature, top_k)
+            self.reset()
+        return self.k, 0
+
+    def report(self) -> str:
+        rate = self.accepted / max(self.drafted, 1)
+        per_round = (self.accepted + self.rounds) / max(self.rounds, 1)
+        return (f"speculate: {self.k} drafts per round through {self.draft[0].name} "
+                f"({self.draft[0].capacity} slots per layer): {self.rounds} rounds, {self.accepted} of "
+                f"{self.drafted} drafts accepted ({100 * rate:.0f} %), {per_round:.2f} tokens per verification")
+
