@@ -107,7 +107,7 @@ def test_install_failure_is_one_line(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(peer, "DEFAULT_ENV", env)
     assert peer.cli(["--peer-env", str(env), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: cannot install kvpress into") and err.count("\n") == 1
+    assert err.startswith("error: cannot install kvpress==0.5.5 into") and err.count("\n") == 1
 
 
 def test_installed_env_is_reused(tmp_path, monkeypatch) -> None:
