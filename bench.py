@@ -121,7 +121,7 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
     import quantize
     from scripts.prepare import default_gguf
 
-    if any(m != "fp32" for m in args.weights) and isinstance(model.tok_embeddings, quantize.Int8Embedding):
+    if any(m != "fp32" for m in args.weights) and not isinstance(model.tok_embeddings, torch.nn.Embedding):
         raise KVFastError("--weights int8/int4 quantize the float model in memory: give the float checkpoint")
     bandwidth = copy_bandwidth()
     threads = torch.get_num_threads()
@@ -457,7 +457,7 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
     import quantize
     from generate import load
 
-    if isinstance(model.tok_embeddings, quantize.Int8Embedding):
+    if isinstance(model.tok_embeddings, (quantize.Int8Embedding, quantize.BF16Embedding)):
         raise KVFastError("--section quantize compares against fp32: give the float checkpoint")
     for g in args.group_sizes:
         quantize.check_group_size(model, g)
@@ -469,7 +469,7 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
     with torch.inference_mode():
         ref = F.log_softmax(model(ids, all_logits=True)[0, :-1], -1)
     rows = {}
-    for mode in ["fp32", "int8", *(f"int4-g{g}" for g in args.group_sizes)]:
+    for mode in ["fp32", "bf16", "int8", *(f"int4-g{g}" for g in args.group_sizes)]:
         m = quantize.quantized_copy(model, mode)
         m.setup_caches(lambda i: None)  # a plain causal forward: no cache to fill
         with torch.inference_mode():
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="prefill table: precisions of kvzip's reconstruction pass, a column each")
     p.add_argument("--prompt-len", type=int, nargs="+", default=[512],
                    help="engine table: prompt lengths, a table each; compile table: prompt tokens (the first)")
-    p.add_argument("--weights", nargs="+", default=["fp32"], choices=["fp32", "int8", "int4-g32", "int4-g64"],
+    p.add_argument("--weights", nargs="+", default=["fp32"], choices=["fp32", "bf16", "int8", "int4-g32", "int4-g64"],
                    help="engine and speculate tables: weights of the compiled kvfast rows, quantized in memory as quantize.py "
                         "writes them")
     p.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"],

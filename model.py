@@ -69,7 +69,10 @@ def as_reduction(x: Tensor) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
-    """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`."""
+    """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`; int16 weights are bfloat16 bits
+    (quantize.BF16Linear)."""
+    if weight.dtype == torch.int16:
+        weight = weight.view(torch.bfloat16)
     weight = weight.to(x.dtype)  # no-op for float weights
     y = (x.unsqueeze(-2) * weight).sum(-1) if as_reduction(x) else F.linear(x, weight)
     return y if scales is None else y * scales
@@ -283,7 +286,7 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[: idx.shape[1]], self.rope_sin[: idx.shape[1]]
         else:
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-        x = self.tok_embeddings(idx)
+        x = self.tok_embeddings(idx).to(self.norm.weight.dtype)  # bfloat16 rows (quantize.py) to the compute dtype
         for layer in self.layers:
             x = run_block(layer, x, cos, sin, input_pos, recall) if run_block else layer(x, cos, sin, input_pos, recall)
         return self.norm(x)
@@ -314,7 +317,8 @@ class Transformer(nn.Module):
         state = load_weights(weights)
         with torch.device("meta"):
             model = cls(args)
-        if "tok_embeddings.scales" in state:  # written by quantize.py
+        embedding = state.get("tok_embeddings.weight")
+        if "tok_embeddings.scales" in state or getattr(embedding, "dtype", None) == torch.int16:  # quantize.py
             from quantize import prepare_quantized
 
             prepare_quantized(model, state, weights)

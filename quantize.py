@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from model import KVFastError, Linear, Transformer, as_reduction, linear
 
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "bf16")
 GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -83,6 +83,31 @@ class Int8Embedding(nn.Module):
         return F.embedding(idx, self.weight).to(self.scales.dtype) * self.scales[idx].unsqueeze(-1)
 
 
+class BF16Linear(nn.Module):
+    """Weights stored in bfloat16, computed in the activations' dtype. The bits live in an int16 buffer (which
+    model.to(dtype) leaves alone; model.linear views it as bfloat16): half of fp32's bytes, and the conversion
+    is a shift that Inductor vectorizes on any x86 CPU, where its int8 -> fp32 conversion is 5x slower than
+    fp32 reads on AVX2 (bench.py --section quantize)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight)
+
+
+class BF16Embedding(nn.Module):
+    """Embedding rows in bfloat16 (int16 bits, as BF16Linear); the tied LM head reads them through model.linear."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int16))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return F.embedding(idx, self.weight.view(torch.bfloat16))
+
+
 class Int4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group_size: int):
         super().__init__()
@@ -124,6 +149,8 @@ def linears(model: Transformer) -> list[tuple[nn.Module, str, Linear]]:
 def empty_quantized(lin: Linear, mode: str, group_size: int) -> nn.Module:
     if mode == "int8":
         return Int8Linear(lin.in_features, lin.out_features)
+    if mode == "bf16":
+        return BF16Linear(lin.in_features, lin.out_features)
     return Int4Linear(lin.in_features, lin.out_features, group_size)
 
 
@@ -146,12 +173,19 @@ def quantize_model(model: Transformer, mode: str, group_size: int = 32) -> Trans
         new = empty_quantized(lin, mode, group_size)
         if mode == "int8":
             new.weight, new.scales = quantize_int8(lin.weight)
+        elif mode == "bf16":
+            new.weight = lin.weight.to(torch.bfloat16).view(torch.int16)
         else:
             new.weight, new.scales, new.offsets = quantize_int4(lin.weight, group_size)
         setattr(parent, name, new.to(lin.weight.device, dtype))
     heads = [("tok_embeddings", model.tok_embeddings)] + ([("output", model.output)] if model.output else [])
     for name, head in heads:
         rows, cols = head.weight.shape
+        if mode == "bf16":
+            new = BF16Embedding(rows, cols) if name == "tok_embeddings" else BF16Linear(cols, rows)
+            new.weight = head.weight.to(torch.bfloat16).view(torch.int16)
+            setattr(model, name, new.to(head.weight.device))
+            continue
         new = Int8Embedding(rows, cols) if name == "tok_embeddings" else Int8Linear(cols, rows)
         new.weight, new.scales = quantize_int8(head.weight)
         setattr(model, name, new.to(head.weight.device, dtype))
@@ -171,19 +205,21 @@ def quantized_copy(model: Transformer, weights: str) -> Transformer:
 def prepare_quantized(model: Transformer, state: dict[str, Tensor], source: Path) -> None:
     """Swap the (meta) float modules of `model` for the quantized ones a quantize.py state dict holds."""
     wqkv = state.get("layers.0.attention.wqkv.scales")
-    if wqkv is None or wqkv.dim() not in (1, 2):
+    bf16 = state["tok_embeddings.weight"].dtype == torch.int16
+    if not bf16 and (wqkv is None or wqkv.dim() not in (1, 2)):
         raise KVFastError(f"{source}: not a checkpoint written by quantize.py (quantized embeddings only)")
-    mode = "int8" if wqkv.dim() == 1 else "int4"
+    mode = "bf16" if bf16 else "int8" if wqkv.dim() == 1 else "int4"
     group_size = model.args.dim // wqkv.shape[1] if mode == "int4" else 0
     for parent, name, lin in linears(model):
         setattr(parent, name, empty_quantized(lin, mode, group_size))
-    model.tok_embeddings = Int8Embedding(model.args.vocab_size, model.args.dim)
+    embedding, head = (BF16Embedding, BF16Linear) if bf16 else (Int8Embedding, Int8Linear)
+    model.tok_embeddings = embedding(model.args.vocab_size, model.args.dim)
     if model.output is not None:
-        model.output = Int8Linear(model.args.dim, model.args.vocab_size)
+        model.output = head(model.args.dim, model.args.vocab_size)
 
 
 def output_name(mode: str, group_size: int) -> str:
-    return "model_int8.pth" if mode == "int8" else f"model_int4-g{group_size}.pth"
+    return f"model_{mode}.pth" if mode != "int4" else f"model_int4-g{group_size}.pth"
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -192,7 +228,9 @@ def main(argv: list[str] | None = None) -> Path:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
                    help="float checkpoint folder (or its weights file) to quantize")
-    p.add_argument("--mode", choices=MODES, default="int8", help="int8: per-row scales; int4: per-group")
+    p.add_argument("--mode", choices=MODES, default="int8",
+                   help="int8: per-row scales; int4: per-group; bf16: bfloat16 storage, compute in fp32 (the "
+                        "fastest on CPUs whose int8 conversion is slow: see bench.py --section quantize)")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32,
                    help="int4: input columns that share a scale and offset")
     p.add_argument("--out", type=Path, help="output file (default: <checkpoint folder>/model_int8.pth or "
@@ -200,7 +238,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model = Transformer.from_checkpoint(checkpoint)
-    if isinstance(model.tok_embeddings, Int8Embedding):
+    if isinstance(model.tok_embeddings, (Int8Embedding, BF16Embedding)):
         raise KVFastError(f"{checkpoint} is already quantized; quantize the float checkpoint")
     before = model.weight_bytes()
     quantize_model(model, args.mode, args.group_size)
@@ -215,7 +253,7 @@ def main(argv: list[str] | None = None) -> Path:
         torch.save(model.state_dict(), out)
     except (OSError, RuntimeError) as e:
         raise KVFastError(f"cannot write {out}: {str(e).splitlines()[0]}") from None
-    print(f"wrote {out}: {args.mode}{'' if args.mode == 'int8' else f' (groups of {args.group_size})'}, "
+    print(f"wrote {out}: {args.mode}{f' (groups of {args.group_size})' if args.mode == 'int4' else ''}, "
           f"weights {before / 1e6:.1f} MB -> {model.weight_bytes() / 1e6:.1f} MB")
     return out
 

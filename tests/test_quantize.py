@@ -39,14 +39,19 @@ def test_int4_packing_and_error_bound(group_size):
     assert torch.all(err <= scales[..., None] / 2 + 1e-5)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
 def test_compiled_reduction_equals_dequantized_product(mode):
     """The decode path (multiply-and-sum with the dequantization fused in) against F.linear on the weight."""
     w = torch.randn(80, 192)
-    layer = quantize.Int8Linear(192, 80) if mode == "int8" else quantize.Int4Linear(192, 80, 64)
+    layers = {"int8": quantize.Int8Linear(192, 80), "int4": quantize.Int4Linear(192, 80, 64),
+              "bf16": quantize.BF16Linear(192, 80)}
+    layer = layers[mode]
     if mode == "int8":
         layer.weight, layer.scales = quantize.quantize_int8(w)
         dense = layer.weight.float() * layer.scales[:, None]
+    elif mode == "bf16":
+        layer.weight = w.bfloat16().view(torch.int16)
+        dense = w.bfloat16().float()
     else:
         layer.weight, layer.scales, layer.offsets = quantize.quantize_int4(w, 64)
         dense = quantize.dequantize_int4(layer.weight, layer.scales, layer.offsets)
@@ -66,7 +71,9 @@ def dequantized_copy(base: Transformer, mode: str, group_size: int) -> Transform
     model = tiny_model()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2 and (mode == "int8" or name == "tok_embeddings.weight"):
+            if p.dim() == 2 and mode == "bf16":
+                p.copy_(p.bfloat16().float())
+            elif p.dim() == 2 and (mode == "int8" or name == "tok_embeddings.weight"):
                 codes, scales = quantize.quantize_int8(p)
                 p.copy_(codes.float() * scales[:, None])
             elif p.dim() == 2:
@@ -74,11 +81,11 @@ def dequantized_copy(base: Transformer, mode: str, group_size: int) -> Transform
     return model
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
 def test_quantized_model_is_its_dequantized_weights_and_decodes_compiled_as_eager(mode):
     base, model = tiny_model(), quantize.quantize_model(tiny_model(), mode, 32)
     assert not any(p.dim() > 1 for p in model.parameters())  # every matrix became a quantized buffer
-    assert model.weight_bytes() < base.weight_bytes() / (3.5 if mode == "int8" else 4.5)
+    assert model.weight_bytes() < base.weight_bytes() / {"int8": 3.5, "int4": 4.5, "bf16": 1.9}[mode]
     ids = torch.randint(0, TINY.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         got = model(ids, all_logits=True)
@@ -99,12 +106,12 @@ def test_quantized_model_is_its_dequantized_weights_and_decodes_compiled_as_eage
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
 def test_quantize_cli_round_trip_and_generate(mode, tiny_checkpoint, tmp_path, capsys):  # noqa: F811
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
     out = quantize.main(["--checkpoint", str(ckpt), "--mode", mode, "--group-size", "32"])
-    assert out.name == ("model_int8.pth" if mode == "int8" else "model_int4-g32.pth")
+    assert out.name == ("model_int4-g32.pth" if mode == "int4" else f"model_{mode}.pth")
     assert "MB ->" in capsys.readouterr().out
     loaded = Transformer.from_checkpoint(out)
     in_memory = quantize.quantize_model(Transformer.from_checkpoint(ckpt), mode, 32)
