@@ -69,11 +69,8 @@ def as_reduction(x: Tensor) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
-    """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`; int16 weights are bfloat16 bits
-    (quantize.BF16Linear)."""
-    if weight.dtype == torch.int16:
-        weight = weight.view(torch.bfloat16)
-    weight = weight.to(x.dtype)  # no-op for float weights
+    """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`."""
+    weight = weight.to(x.dtype)  # no-op for weights in the compute dtype
     y = (x.unsqueeze(-2) * weight).sum(-1) if as_reduction(x) else F.linear(x, weight)
     return y if scales is None else y * scales
 
@@ -318,7 +315,7 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args)
         embedding = state.get("tok_embeddings.weight")
-        if "tok_embeddings.scales" in state or getattr(embedding, "dtype", None) == torch.int16:  # quantize.py
+        if "tok_embeddings.scales" in state or getattr(embedding, "dtype", None) == torch.bfloat16:  # quantize.py
             from quantize import prepare_quantized
 
             prepare_quantized(model, state, weights)

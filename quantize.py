@@ -83,29 +83,37 @@ class Int8Embedding(nn.Module):
         return F.embedding(idx, self.weight).to(self.scales.dtype) * self.scales[idx].unsqueeze(-1)
 
 
-class BF16Linear(nn.Module):
-    """Weights stored in bfloat16, computed in the activations' dtype. The bits live in an int16 buffer (which
-    model.to(dtype) leaves alone; model.linear views it as bfloat16): half of fp32's bytes, and the conversion
-    is a shift that Inductor vectorizes on any x86 CPU, where its int8 -> fp32 conversion is 5x slower than
-    fp32 reads on AVX2 (bench.py --section quantize)."""
+class BF16Storage(nn.Module):
+    """A bfloat16 weight buffer that model.to(dtype) leaves in bfloat16 (the compute dtype stays the caller's)."""
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.weight = self.weight.to(torch.bfloat16)  # exact: the values were bfloat16
+        return self
+
+
+class BF16Linear(BF16Storage):
+    """Weights stored in bfloat16, computed in the activations' dtype (model.linear converts inside its fused
+    reduction): half of fp32's bytes, for CPUs where reading int8 weights costs more than it saves (bench.py
+    --section quantize records which)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int16))
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight)
 
 
-class BF16Embedding(nn.Module):
-    """Embedding rows in bfloat16 (int16 bits, as BF16Linear); the tied LM head reads them through model.linear."""
+class BF16Embedding(BF16Storage):
+    """Embedding rows in bfloat16; the tied LM head reads them through model.linear."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int16))
+        self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.bfloat16))
 
     def forward(self, idx: Tensor) -> Tensor:
-        return F.embedding(idx, self.weight.view(torch.bfloat16))
+        return F.embedding(idx, self.weight)
 
 
 class Int4Linear(nn.Module):
@@ -174,7 +182,7 @@ def quantize_model(model: Transformer, mode: str, group_size: int = 32) -> Trans
         if mode == "int8":
             new.weight, new.scales = quantize_int8(lin.weight)
         elif mode == "bf16":
-            new.weight = lin.weight.to(torch.bfloat16).view(torch.int16)
+            new.weight = lin.weight.to(torch.bfloat16)
         else:
             new.weight, new.scales, new.offsets = quantize_int4(lin.weight, group_size)
         setattr(parent, name, new.to(lin.weight.device, dtype))
@@ -183,7 +191,7 @@ def quantize_model(model: Transformer, mode: str, group_size: int = 32) -> Trans
         rows, cols = head.weight.shape
         if mode == "bf16":
             new = BF16Embedding(rows, cols) if name == "tok_embeddings" else BF16Linear(cols, rows)
-            new.weight = head.weight.to(torch.bfloat16).view(torch.int16)
+            new.weight = head.weight.to(torch.bfloat16)
             setattr(model, name, new.to(head.weight.device))
             continue
         new = Int8Embedding(rows, cols) if name == "tok_embeddings" else Int8Linear(cols, rows)
@@ -205,7 +213,7 @@ def quantized_copy(model: Transformer, weights: str) -> Transformer:
 def prepare_quantized(model: Transformer, state: dict[str, Tensor], source: Path) -> None:
     """Swap the (meta) float modules of `model` for the quantized ones a quantize.py state dict holds."""
     wqkv = state.get("layers.0.attention.wqkv.scales")
-    bf16 = state["tok_embeddings.weight"].dtype == torch.int16
+    bf16 = state["tok_embeddings.weight"].dtype == torch.bfloat16
     if not bf16 and (wqkv is None or wqkv.dim() not in (1, 2)):
         raise KVFastError(f"{source}: not a checkpoint written by quantize.py (quantized embeddings only)")
     mode = "bf16" if bf16 else "int8" if wqkv.dim() == 1 else "int4"
