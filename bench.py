@@ -122,7 +122,7 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
     from scripts.prepare import default_gguf
 
     if any(m != "fp32" for m in args.weights) and not isinstance(model.tok_embeddings, torch.nn.Embedding):
-        raise KVFastError("--weights int8/int4 quantize the float model in memory: give the float checkpoint")
+        raise KVFastError("--weights bf16/int8/int4 quantize the float model in memory: give the float checkpoint")
     bandwidth = copy_bandwidth()
     threads = torch.get_num_threads()
     gguf = default_gguf(Path(__file__).parent) if args.peers or not args.skip_hf else None

@@ -13,6 +13,7 @@ import cache as kvcache
 import evaltasks as tasks
 from model import KVFastError, ModelArgs
 from scripts import peer_kvpress as peer
+from scripts import peer_kvpress_tables as tables
 from scripts import peer_kvpress_worker as worker
 
 
@@ -167,7 +168,7 @@ def test_tables() -> None:
     for i in range(4):
         records += [rec("kvfast", "full", None, i, 1, [7]), rec("kvpress", "full", None, i, 1, [7])]
     records.append(rec("kvpress", "knorm", 0.75, 0, 1, [1]))  # kvpress only: no pairs
-    lines = peer.format_tables(records, {"kvzip": "kvfast has no prompt compressor 'kvzip' (yet)"})
+    lines = tables.format_tables(records, {"kvzip": "kvfast has no prompt compressor 'kvzip' (yet)"}, list(peer.METHODS))
     text = "\n".join(lines)
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
     assert rows[0].startswith("| full | — | 2014.0 / 2014.0 | 1.000 ± 0.000 | 1.000 ± 0.000 | 4 / 4 | 1.00 "
@@ -182,10 +183,10 @@ def test_tables() -> None:
 
 
 def test_mean_se() -> None:
-    assert peer.mean_se([1.0]) == (1.0, None)
-    m, se = peer.mean_se([0.0, 1.0, 1.0, 0.0])
+    assert tables.mean_se([1.0]) == (1.0, None)
+    m, se = tables.mean_se([0.0, 1.0, 1.0, 0.0])
     assert m == 0.5 and se == pytest.approx((1 / 3) ** 0.5 / 2)
-    assert peer.fmt([]) == "—" and peer.fmt([0.25]) == "0.250"
+    assert tables.fmt([]) == "—" and tables.fmt([0.25]) == "0.250"
 
 
 def test_worker_hash_is_order_sensitive() -> None:
