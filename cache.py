@@ -199,7 +199,7 @@ PARAMS: dict[str, tuple[Any, str]] = {
 # flags that may be given without a value: the value they then take
 PARAM_CONSTS = {"static_threshold": 0.9}
 GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
-           "kv_group_size", "capacity_buckets", *TIER_FLAGS)
+           "kv_group_size", "capacity_buckets", "pos_shift", *TIER_FLAGS)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
@@ -232,6 +232,9 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
                         "length) or sizes such as 1024,4096; only room that is never evicted into is rounded "
                         "up (full, snapkv, pyramidkv, or a sequence the budget holds whole), so nothing kept "
                         "changes; an evicting budget stays exact")
+    g.add_argument("--pos-shift", action="store_true", default=None,
+                   help="StreamingLLM's positions: RoPE at each token's rank among the cached tokens (keys "
+                        "stored before RoPE), so an evicting cache decodes past the model's maximum length")
     add_param_flags(g)
     g.add_argument("--cache-config", default=None,
                    help=f"YAML preset from cache_configs/ ({', '.join(available_presets())}); "
@@ -290,6 +293,7 @@ class CacheSpec:
     capacity_buckets: str | None = None
     cli: set[str] = field(default_factory=set)  # keys given on the command line (they beat the preset)
     tiers: dict[str, Any] = field(default_factory=dict)  # kv.tiers flags given (warm_tokens turns them on)
+    pos_shift: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CacheSpec:
@@ -306,7 +310,8 @@ class CacheSpec:
                    pyramid_beta=merged.get("pyramid_beta"),
                    params={k: v for k, v in merged.items() if k in PARAMS}, cli=set(cli),
                    kv_bits=merged.get("kv_bits"), kv_group_size=merged.get("kv_group_size"),
-                   capacity_buckets=merged.get("capacity_buckets"), tiers={k: merged[k] for k in TIER_FLAGS if k in merged})
+                   capacity_buckets=merged.get("capacity_buckets"), tiers={k: merged[k] for k in TIER_FLAGS if k in merged},
+                   pos_shift=bool(merged.get("pos_shift")))
 
     def resolve(self) -> tuple[type[KVCache], type | None, dict[str, Any]]:
         """Validate names, unused flags and values; return (policy class, compressor class, all
@@ -359,6 +364,11 @@ class CacheSpec:
             if "warm_tokens" not in self.tiers:
                 raise KVFastError(f"--{_flag(next(iter(self.tiers)))} needs --warm-tokens (it turns the tiers on)")
             check_tiers_for(policy)
+        if self.pos_shift and (self.tiers or not policy.supports_pos_shift):
+            why = ("recalled pages have no rank among the hot tokens" if self.tiers and policy.supports_pos_shift
+                   else {"full": "it never evicts, so every rank is the position"}.get(
+                       self.policy, "its statistics or per-head budgets need each token's own position"))
+            raise KVFastError(f"--pos-shift does not apply to --cache {self.policy}{' with tiers' * bool(self.tiers)}: {why}")
         return policy, compressor, values
 
     def schedule(self) -> str:
@@ -387,13 +397,13 @@ def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: Mo
                        pyramid_beta: int | None = None, kv_bits: int | None = None,
                        kv_group_size: int | None = None, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu", tokenizer: Any = None, tiers: dict | None = None,
-                       capacity_buckets: str | None = None, **params: Any) -> CacheFactory:
+                       capacity_buckets: str | None = None, pos_shift: bool = False, **params: Any) -> CacheFactory:
     """make_cache(layer) for Transformer.setup_caches; params are hyper-parameters by name (n_sinks=4,
     ...); the tokenizer is for compressors that write text (KVzip's instruction)."""
     given = set(params) | ({"cache_budget"} if budget is not None else set())
     spec = CacheSpec(policy, prompt_compression, budget, layer_budget, pyramid_beta, params, kv_bits=kv_bits,
                      kv_group_size=kv_group_size, capacity_buckets=capacity_buckets, cli=given,
-                     tiers=tiers or {})
+                     tiers=tiers or {}, pos_shift=pos_shift)
     model_args = model_args or ModelArgs()
     return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device, tokenizer)
 
@@ -416,6 +426,7 @@ class CacheFactory:
         self.batch_size, self.model_args, self.dtype, self.device = batch_size, model_args, dtype, device
         self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
         self.kv_bits, self.kv_group_size = spec.kv_bits, spec.kv_group_size or model_args.head_dim
+        self.pos_shift = spec.pos_shift
         if self.kv_bits and model_args.head_dim % self.kv_group_size:
             raise KVFastError(f"--kv-group-size {self.kv_group_size} does not divide the head dimension "
                               f"{model_args.head_dim}")
@@ -549,7 +560,7 @@ class CacheFactory:
                         n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],
                         compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
                         kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
-                        model_args=a, **tiers, **self.layer_values[layer])
+                        model_args=a, pos_shift=self.pos_shift, **tiers, **self.layer_values[layer])
 
     def describe(self) -> str:
         caps = sorted(set(self.capacities))
@@ -568,8 +579,9 @@ class CacheFactory:
                  "row and KV head" if t else "")
         if self.capacity_buckets not in (None, "off"):
             cap += f" (allocated in --capacity-buckets {self.capacity_buckets})"
+        shift = "; positions = ranks among the cached tokens (--pos-shift)" if self.pos_shift else ""
         return (f"cache: {self.policy}{comp}, capacity per layer {cap} slots{pool}"
-                + (f"; {params}" * bool(params)) + quant + tiers)
+                + (f"; {params}" * bool(params)) + quant + tiers + shift)
 
 
 def setup_decode_benchmark(model: torch.nn.Module, policy: str, context_len: int, max_new_tokens: int = 1,

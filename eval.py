@@ -55,6 +55,7 @@ import torch  # after OMP_WAIT_POLICY, which is read when torch loads OpenMP
 import cache as kvcache
 import evaltasks as tasks
 from evalcaches import (
+    SHIFT,
     Combo,
     Evaluator,
     MultiCache,
@@ -90,7 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"tasks to run: {', '.join(TASK_NAMES)} (niah = its three variants)")
     p.add_argument("--policies", nargs="+", default=["full", "window", "h2o", "scissorhands", "snapkv"],
                    help=f"cache policies: {', '.join(kvcache.POLICIES)}; full is always the reference; POLICY+warm: "
-                        "the same policy with tiers (kv.tiers) on, e.g. h2o+warm (not full nor the pool policies)")
+                        "the same policy with tiers (kv.tiers) on, e.g. h2o+warm (not full nor the pool policies); "
+                        "POLICY+shift: with --pos-shift, e.g. window+shift")
+    p.add_argument("--pos-shift", action="store_true",
+                   help="every policy but full as POLICY+shift (StreamingLLM's positions): a ppl window may then "
+                        "exceed the model's length (full is left out of such windows)")
     p.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.125],
                    help="cache budgets: fractions of prompt + new tokens (or slots per layer if > 1)")
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096],
@@ -158,17 +163,19 @@ def check_args(args: argparse.Namespace) -> None:
             raise KVFastError(f"unknown task {t!r} (choose from {', '.join(TASK_NAMES)})")
     args.tasks = expand_tasks(args.tasks)
     tiered = False
+    if args.pos_shift:
+        args.policies = [p if p == "full" or p.endswith(SHIFT) else p + SHIFT for p in args.policies]
     for name in args.policies:
-        policy, warm = split_combo_policy(name)
+        policy, warm, shift = split_combo_policy(name)
         if policy not in kvcache.POLICIES:
             raise KVFastError(f"unknown cache policy {name!r} (choose from {', '.join(kvcache.POLICIES)}, each "
-                              "optionally +warm)")
-        if warm:  # full and the pool policies have no tiers: cache.py's one-line reason
+                              "optionally +warm or +shift)")
+        if warm or shift:  # full and the pool policies have no tiers: cache.py's one-line reason
             try:
-                kvcache.CacheSpec(policy, tiers={"warm_tokens": 1.0}).resolve()
+                kvcache.CacheSpec(policy, tiers={"warm_tokens": 1.0} if warm else {}, pos_shift=shift).resolve()
             except KVFastError as e:
                 raise KVFastError(f"--policies {name}: {e}") from None
-            tiered = True
+            tiered = tiered or warm
     args.policies = ["full"] + [p for p in dict.fromkeys(args.policies) if p != "full"]
     given = given_tier_flags(args)
     if given and not tiered:
@@ -205,9 +212,9 @@ def check_args(args: argparse.Namespace) -> None:
 def combos_of(args: argparse.Namespace) -> list[Combo]:
     combos = [Combo("full", None)]
     for name in args.policies:
-        policy, warm = split_combo_policy(name)
+        policy, warm, shift = split_combo_policy(name)
         tiers = tuple(args.tiers.items()) if warm else None
-        combos += [Combo(policy, b, tiers) for b in args.budgets if policy != "full"]
+        combos += [Combo(policy, b, tiers, shift) for b in args.budgets if policy != "full"]
     return combos
 
 
@@ -387,17 +394,21 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
     """ppl and attention loss on one batch of text windows (one prefill)."""
     args = ev.args
     T = len(windows[0])
+    longer = T > ev.model.args.max_seq_len  # only POLICY+shift combos read past the model's length (main checked)
     todo = {(t, c) for t in wanted for c in combos
-            if not (t == "attention-loss" and c.is_full)
+            if not (t == "attention-loss" and c.is_full) and not (longer and c.is_full)
             and any(not store.done(record_key(t, T, i, c, NO_MODE)) for i in indices)}
     if not todo:
         return
     ids = torch.tensor(windows, device=ev.device)
     B = ids.shape[0]
-    bar.set_postfix_str(f"text@{T}: prefill {B} x {T}")
+    # the batched pass covers what any combo prefills: the whole window, or (past the model's length) the longest
+    # prefix, each combo decoding the rest
+    head = max(prefix_len(args, c, T) for _, c in todo) if longer else T
+    bar.set_postfix_str(f"text@{T}: prefill {B} x {head}")
     t0 = time.perf_counter()
-    kv, hidden = ev.record(ids)
-    full_nll = ev.nll_from_hidden(hidden, ids)
+    kv, hidden = ev.record(ids[:, :head])
+    full_nll = ev.nll_from_hidden(hidden, ids[:, : head + 1])
     del hidden
     prefill_s = (time.perf_counter() - t0) / B
     memos: dict[int, list[dict]] = {}
@@ -438,8 +449,12 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
             elapsed = (time.perf_counter() - t0) / (B * G)
             for j, combo in enumerate(group):
                 rows = range(j * B, (j + 1) * B)
+                # cumulative (ppl@p, nll@p) and of the tokens since the previous report (nll_seg@p: StreamingLLM's
+                # curve, which shows a cache going wrong at some length where the cumulative mean hides it)
                 metrics = [{f"ppl@{p}": math.exp(float(nll[r, : p - 1].mean())) for p in ps}
-                           | {f"nll@{p}": float(nll[r, : p - 1].mean()) for p in ps} for r in rows]
+                           | {f"nll@{p}": float(nll[r, : p - 1].mean()) for p in ps}
+                           | {f"nll_seg@{p}": float(nll[r, q - 1 if q else 0 : p - 1].mean())
+                              for q, p in zip([0, *ps], ps)} for r in rows]
                 cap = sorted({c.capacity for c in members[j]})
                 extra = [{"prefilled": P, **head_fields(classes, j * B + r), **tiers} for r in range(B)]
                 add("ppl", combo, metrics, elapsed, cap[0] if len(cap) == 1 else cap, extra)
@@ -561,9 +576,14 @@ def main(argv: list[str] | None = None) -> Path:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load(checkpoint, args.device, dtype)
-    longest = max(max(args.lengths + args.fidelity_lengths) + args.answer_room, args.ppl_length)
+    longest = max(args.lengths + args.fidelity_lengths) + args.answer_room
     if longest > model.args.max_seq_len:
         raise KVFastError(f"length + --answer-room ({longest}) exceeds the model's maximum of {model.args.max_seq_len}")
+    unshifted = [p for p in args.policies[1:] if not split_combo_policy(p)[2]]
+    if args.ppl_length > model.args.max_seq_len and (unshifted or "attention-loss" in args.tasks):
+        why = f"policies {unshifted} keep" if unshifted else "attention-loss needs full's attention over"
+        raise KVFastError(f"--ppl-length {args.ppl_length} exceeds the model's maximum of {model.args.max_seq_len}: "
+                          f"{why} original positions (only POLICY+shift combos, --pos-shift, read past it)")
     if args.compile:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(combos_of(args)) + 8)
     name = checkpoint.name if checkpoint.is_dir() else checkpoint.parent.name

@@ -25,6 +25,7 @@ from model import KVFastError, Transformer
 
 # ---- tier combos (POLICY+warm): the policy and budget with kv.tiers on -------------------------------------------
 WARM = "+warm"
+SHIFT = "+shift"  # POLICY+shift: the policy with --pos-shift (StreamingLLM's positions)
 # what a +warm combo gets for a tier flag left out (kv.tiers' own defaults, --warm-tokens included: eval and bench
 # turn tiers on by the combo, not by the flag); a combo's name lists the settings that differ from these
 TIER_DEFAULTS: dict[str, float] = {"warm_tokens": 1.0, **TIER_FLAG_DEFAULTS}
@@ -53,11 +54,14 @@ def tier_settings(args: argparse.Namespace) -> dict[str, float]:
     return settings
 
 
-def split_combo_policy(name: str) -> tuple[str, bool]:
-    """'h2o+warm' -> ('h2o', True); 'h2o' -> ('h2o', False)."""
+def split_combo_policy(name: str) -> tuple[str, bool, bool]:
+    """'h2o+warm' -> ('h2o', True, False); 'window+shift' -> ('window', False, True); 'h2o' -> ('h2o', False,
+    False)."""
+    shift = name.endswith(SHIFT)
+    name = name[: -len(SHIFT)] if shift else name
     if name.endswith(WARM):
-        return name[: -len(WARM)], True
-    return name, False
+        return name[: -len(WARM)], True, shift
+    return name, False, shift
 
 
 def tier_fields(caches: list[nn.Module], rows: int) -> dict[str, Any]:
@@ -163,6 +167,8 @@ class MultiCache(nn.Module):
         if any(isinstance(m, PoolCache) for m in members):
             raise ValueError("MultiCache views [B, H_kv, C, D] buffers; a pool cache decodes in a group "
                              "of its own")
+        if any(getattr(m, "pos_shift", False) for m in members):
+            raise ValueError("MultiCache returns unrotated shared keys; a --pos-shift cache decodes in a group of its own")
         if any(getattr(m, "tiered", False) for m in members):
             raise ValueError("MultiCache neither flushes nor recalls; a tiered cache decodes in a group of its own")
         B, H, _, D = members[0].k.shape
@@ -224,6 +230,7 @@ class Combo:
     policy: str
     budget: float | None  # None: full, no compression
     tiers: tuple[tuple[str, float], ...] | None = None  # POLICY+warm: kv.tiers settings (TIER_FLAGS order)
+    pos_shift: bool = False  # POLICY+shift
 
     @property
     def is_full(self) -> bool:
@@ -233,10 +240,11 @@ class Combo:
     def name(self) -> str:
         """The policy as results record it: h2o, h2o+warm, or h2o+warm[warm-bits=8] when tier settings differ
         from TIER_DEFAULTS (so that cells of other settings are other cells)."""
+        shift = SHIFT if self.pos_shift else ""
         if self.tiers is None:
-            return self.policy
+            return self.policy + shift
         changed = [f"{k.replace('_', '-')}={v:g}" for k, v in self.tiers if v != TIER_DEFAULTS[k]]
-        return self.policy + WARM + (f"[{','.join(changed)}]" if changed else "")
+        return self.policy + WARM + (f"[{','.join(changed)}]" if changed else "") + shift
 
     def label(self) -> str:
         if self.is_full:
@@ -261,7 +269,7 @@ class Evaluator:
         tiers = dict(combo.tiers) if combo.tiers else None
         return kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new, budget=combo.budget,
                                           dtype=self.dtype, device=self.device, tokenizer=self.tok, tiers=tiers,
-                                          **params)
+                                          pos_shift=combo.pos_shift, **params)
 
     def check_tiered(self, combos: list[Combo], sizes: set[tuple[int, int]]) -> None:
         """Tier settings that do not fit a (prompt length, new tokens) size (a warm store smaller than a page,
@@ -290,9 +298,10 @@ class Evaluator:
         """Combos decoded together: full alone; pool policies (kv.pool: one [B, P, D] pool per layer, which
         MultiCache cannot view) alone; the others by budget, within --group-gb of K/V buffers and with at most
         one refresh interval (the decode loop refreshes every member at that interval); tiered combos (+warm)
-        last, each alone (the decode loop flushes and recalls the caches it runs; MultiCache does neither)."""
+        last, each alone (the decode loop flushes and recalls the caches it runs; MultiCache does neither), as are
+        POLICY+shift combos (MultiCache's shared K/V would need every member's ranks)."""
         pool = [c for c in combos if not c.is_full and issubclass(kvcache.POLICIES[c.policy], PoolCache)]
-        tiered = [c for c in combos if c.tiers is not None]
+        tiered = [c for c in combos if c.tiers is not None or c.pos_shift]
         out = [[c] for c in combos if c.is_full] + [[c] for c in pool]
         combos = [c for c in combos if c not in pool and c not in tiered]
         a = self.model.args

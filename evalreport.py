@@ -239,4 +239,40 @@ def plots(records: list[dict], out: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(path)
-    return files
+    by_position = ppl_by_position(records, out)
+    return files + ([by_position] if by_position else [])
+
+
+def ppl_by_position(records: list[dict], out: Path) -> Path | None:
+    """ppl_by_position.png: per ppl length, the perplexity of the tokens since the previous report (nll_seg@p,
+    averaged over windows) against the position, one line per policy and budget: StreamingLLM's figure, where a
+    cache that goes wrong past some length shows as a rise the cumulative ppl@p smooths away."""
+    rs = [r for r in records if r["task"] == "ppl" and any(k.startswith("nll_seg@") for k in r["metrics"])]
+    lengths = sorted({r["length"] for r in rs})
+    if not rs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 3.6), squeeze=False)
+    for ax, L in zip(axes.flat, lengths):
+        by: dict[tuple, list[dict]] = defaultdict(list)
+        for r in rs:
+            if r["length"] == L:
+                by[row_key(r)].append(r)
+        for policy, budget in order_rows([r for r in rs if r["length"] == L]):
+            group = by[(policy, budget)]
+            ps = sorted({int(k.split("@")[1]) for r in group for k in r["metrics"] if k.startswith("nll_seg@")})
+            ys = [math.exp(sum(r["metrics"][f"nll_seg@{p}"] for r in group) / len(group)) for p in ps]
+            ax.plot(ps, ys, marker="o", markersize=3, label=f"{policy} {budget_text(budget)}")
+        ax.set_title(f"ppl of each segment, windows of {L} tokens", fontsize=9)
+        ax.set_xlabel("position (end of segment)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    path = out / "ppl_by_position.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

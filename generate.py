@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 import cache as kvcache
+import ragged
 from kv import kvzip
 from kv.tiers import TierSpec, flush_caches, format_tier_report, tier_report
 from model import KVFastError, Transformer
@@ -293,7 +294,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
                    help="checkpoint folder (config.json + model.safetensors|model.pth + tokenizer) or its "
                         "weights file; the default model is prepared on first use")
-    p.add_argument("--prompt", default="Hello, my name is", help="prompt text, or @FILE to read it from a file")
+    p.add_argument("--prompt", default=None, help=f"prompt text, or @FILE to read it from a file ({DEFAULT_PROMPT!r})")
+    p.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                   help="a ragged batch: one prompt per line (\\n for a newline), or JSONL lines {\"prompt\": ...}, "
+                        "decoded together, each row stopping on its own (ragged.py)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
@@ -366,6 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+DEFAULT_PROMPT = "Hello, my name is"
+
+
 def read_prompt(prompt: str) -> str:
     if not prompt.startswith("@"):
         return prompt
@@ -401,28 +408,46 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     torch.manual_seed(args.seed)
-    prompt_text = read_prompt(args.prompt)
+    if args.prompts:
+        ragged.check_args(args)
+    texts = ragged.read_prompts(args.prompts) if args.prompts else [read_prompt(args.prompt or DEFAULT_PROMPT)]
     kvcache.check_cache_args(args)  # bad policy, preset or flag: fail before loading the model
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load(checkpoint, args.device, dtype)
     if args.chat:
-        prompt_text = tokenizer.chat_prompt(prompt_text)
-    ids = tokenizer.encode(prompt_text, bos=tokenizer.add_bos)
-    if not ids:
-        raise KVFastError("the prompt is empty")
+        texts = [tokenizer.chat_prompt(t) for t in texts]
+    rows = [tokenizer.encode(t, bos=tokenizer.add_bos) for t in texts]
+    for number, row in enumerate(rows, 1):
+        if not row:
+            raise KVFastError("the prompt is empty" if not args.prompts else f"prompt {number} of {args.prompts} is empty")
+    ids = max(rows, key=len)  # a ragged batch is sized by its longest prompt
+    prompt = "the prompt" if not args.prompts else f"the longest prompt (line {rows.index(ids) + 1})"
     total = len(ids) + args.max_new_tokens + (args.speculate or 0)
-    if total > model.args.max_seq_len:
+    if args.pos_shift and len(ids) > model.args.max_seq_len:  # the prompt is prefilled at its own positions
+        raise KVFastError(f"{prompt} ({len(ids)} tokens) exceeds the model's maximum length of "
+                          f"{model.args.max_seq_len} tokens (--pos-shift lets decoding, not the prompt, go past it)")
+    if total > model.args.max_seq_len and not args.pos_shift:
         drafts = f" + --speculate ({args.speculate})" if args.speculate else ""
-        raise KVFastError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}){drafts} exceeds "
+        raise KVFastError(f"{prompt} ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}){drafts} exceeds "
                           f"the model's maximum length of {model.args.max_seq_len} tokens")
-    idx = torch.tensor([ids] * args.batch_size, dtype=torch.long, device=args.device)
+    idx = (ragged.padded(rows, args.device) if args.prompts else
+           torch.tensor([ids] * args.batch_size, dtype=torch.long, device=args.device))
+    B = idx.shape[0]
     room = args.max_new_tokens + (args.speculate or 0)  # a verification writes up to K positions past the end
-    make_cache = kvcache.cache_factory_from_args(args, args.batch_size, model.args, len(ids), room, dtype,
+    make_cache = kvcache.cache_factory_from_args(args, B, model.args, len(ids), room, dtype, args.device, tokenizer)
+    single_rows = None  # --prompts: the one-row caches each prompt is prefilled into (ragged.py)
+    if args.prompts:
+        single = kvcache.cache_factory_from_args(ragged.single_row_args(args), 1, model.args, len(ids), room, dtype,
                                                  args.device, tokenizer)
+        single_rows = [single(i) for i in range(model.args.n_layers)]
     if make_cache.prompt_compression == "kvzip" and len(ids) <= min(make_cache.prompt_capacities):
         print(f"kvzip: the prompt ({len(ids)} tokens) fits the cache ({min(make_cache.prompt_capacities)} prompt "
               "slots per layer): nothing to compress, no reconstruction pass")
+    if args.pos_shift and max(make_cache.capacities) > model.args.max_seq_len:
+        raise KVFastError(f"--pos-shift: the cache holds {max(make_cache.capacities)} slots, more ranks than the "
+                          f"model's maximum length of {model.args.max_seq_len}; lower --cache-budget")
     model.setup_caches(make_cache)
+    batch_caches = model.caches
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill,
                       mode=args.compile_mode, scope=args.compile_scope, dynamic_capacity=args.dynamic_capacity)
     runner = decoder if args.speculate is None else speculator(model, decoder, args, len(ids), dtype)
@@ -441,7 +466,11 @@ def main(argv: list[str] | None = None) -> None:
             runner.reset()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            first = runner.prefill(model, idx, args.temperature, args.top_k)
+            if single_rows:
+                first = ragged.prefill_rows(model, rows, batch_caches, single_rows, runner.prefill, args.temperature,
+                                            args.top_k)
+            else:
+                first = runner.prefill(model, idx, args.temperature, args.top_k)
             t_prefill = time.perf_counter() - t0
             new = runner.decode(first, len(ids), args.max_new_tokens - 1, args.temperature, args.top_k, stop_ids)
         _sync(args.device)
@@ -452,20 +481,23 @@ def main(argv: list[str] | None = None) -> None:
                   "compile time", file=sys.stderr)
         n_new = tokens.shape[1]
         timings.append((t_prefill, (n_new - 1) / max(elapsed - t_prefill, 1e-9), n_new))
-        for row in range(args.batch_size):
+        for row in range(B):
             out = tokens[row].tolist()
             text = tokenizer.decode(out if stop_ids is None else truncate_at_stop(out, stop_ids))
-            print(("" if args.chat else prompt_text) + text)
+            print(("" if args.chat else texts[min(row, len(texts) - 1)]) + text)
             print("-" * 40)
         scoring = getattr(model, "kvzip_scoring_s", 0.0)
         extra = f", of which kvzip reconstruction scoring {scoring * 1000:.1f} ms" if scoring else ""
-        print(f"sample {i}: prefill {t_prefill * 1000:.1f} ms ({len(ids)} tokens{extra}), decode "
-              f"{timings[-1][1]:.2f} tok/s x {args.batch_size} rows, {n_new} new tokens")
+        size = f"{len(ids)} tokens" if not args.prompts else f"{B} prompts of {min(map(len, rows))}-{len(ids)} tokens"
+        print(f"sample {i}: prefill {t_prefill * 1000:.1f} ms ({size}{extra}), decode "
+              f"{timings[-1][1]:.2f} tok/s x {B} rows, {n_new} new tokens")
+        if args.prompts:
+            print("\n".join(ragged.row_report(model, rows, tokens, stop_ids)))
 
     t_prefill = sum(t[0] for t in timings) / len(timings)
     tok_s = sum(t[1] for t in timings) / len(timings)
     print(f"prefill time: {t_prefill * 1000:.1f} ms")
-    print(f"decode: {tok_s:.2f} tok/s per row, {tok_s * args.batch_size:.2f} tok/s total")
+    print(f"decode: {tok_s:.2f} tok/s per row, {tok_s * B:.2f} tok/s total")
     print(f"bandwidth achieved: {weight_bytes * tok_s / 1e9:.2f} GB/s (weights {weight_bytes / 1e6:.1f} MB per step)")
     print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB")
     if compiled:

@@ -191,20 +191,25 @@ class Attention(nn.Module):
         self.wo = Linear(args.n_heads * args.head_dim, args.dim)
         self.kv_cache = None  # set by Transformer.setup_caches
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, cos: Tensor | None, sin: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [B, heads, S, D], q and k rotated at cos / sin (left unrotated when cos is None)."""
         B, S, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if cos is None:
+            return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def output(self, out: Tensor) -> Tensor:
         B, _, S, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor | None, recall: bool = False) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, input_pos: Tensor | None,
+                recall: bool = False) -> Tensor:
+        """cos None: the cache applies RoPE at its own positions (--pos-shift: ranks among the cached tokens)."""
         q, k, v = self.project(x, cos, sin)
         cache = self.kv_cache
         if input_pos is None:  # prefill: causal attention on the fresh K/V, then the cache keeps what it can
@@ -215,6 +220,8 @@ class Attention(nn.Module):
         if recall:  # tiers: bring back the evicted pages this query needs (kv.tiers), then attend as always
             cache.recall(q)
         k_all, v_all, mask = cache.update(input_pos, k, v)
+        if cos is None:
+            q = cache.rotate_query(q)
         out, probs = attend(q, k_all, v_all, mask, want_probs=cache.needs_attention)
         if probs is not None:
             cache.observe(probs)
@@ -240,7 +247,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor | None, recall: bool = False) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, input_pos: Tensor | None,
+                recall: bool = False) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, recall)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -281,6 +289,8 @@ class Transformer(nn.Module):
         calling it (generate.py's --compile-scope block: one compiled block for every layer)."""
         if input_pos is None:
             cos, sin = self.rope_cos[: idx.shape[1]], self.rope_sin[: idx.shape[1]]
+        elif getattr(self.layers[0].attention.kv_cache, "pos_shift", False):
+            cos = sin = None  # StreamingLLM's positions: the caches rotate q and k at ranks (kv.slots)
         else:
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         x = self.tok_embeddings(idx).to(self.norm.weight.dtype)  # bfloat16 rows (quantize.py) to the compute dtype

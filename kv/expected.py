@@ -155,6 +155,7 @@ class ExpectedAttentionCache(KVCache):
     params: ClassVar[dict[str, Any]] = {"n_sinks": 4, "recent_window": 8, "n_future_positions": 512,
                                         "epsilon": 0.0, "refresh_interval": 64}
     default_prompt_compressor = "expected_attention"
+    supports_pos_shift = False  # its scores rotate the query statistics to absolute positions
 
     def init_state(self) -> None:
         B, H, g, C, D = self.batch_size, self.n_kv_heads, self.n_groups, self.capacity, self.head_dim
@@ -186,10 +187,13 @@ class ExpectedAttentionCache(KVCache):
         self.cov_rotated.copy_(cov)
 
     def slot_scores(self, input_pos: Tensor) -> Tensor:
-        scored = self.slot_pos >= self.n_sinks  # sinks: protected anyway, and outside the softmax (kvpress)
+        scored = (self.slot_pos >= 0) & ~self.is_sink(self.slot_pos)  # sinks: protected, outside the softmax (kvpress)
         z = self.log_attn.masked_fill(~scored.unsqueeze(2), -INF)
         probs = torch.softmax(z, dim=-1).mean(dim=2)  # NaN on a row with nothing scored: replaced below
         return torch.where(scored, (probs + self.epsilon) * self.v_norm, 0.0)
+
+    def after_load(self) -> None:
+        self.rotate_statistics(self.seen)  # to the batch's clock, which the rows' keys were moved to
 
     def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
         B, H, g, _ = self.log_attn.shape

@@ -163,7 +163,7 @@ class HybridCache(PoolCache):
         """[B, H_kv]: KV head h's lowest-scored slot among its own (empty first, protected last)."""
         pos = self.slot_pos
         valid = pos >= 0
-        protected = valid & ((pos < self.n_sinks) | (pos > input_pos - self.recent_window))
+        protected = valid & (self.is_sink(pos) | (pos > input_pos - self.recent_window))
         score = self.slot_scores(input_pos).masked_fill(protected, PROTECTED).masked_fill(~valid, -INF)
         own = self.slot_head.unsqueeze(1) == self.head_ids.view(1, -1, 1)  # [B, H_kv, P]
         return score.unsqueeze(1).masked_fill(~own, INF).argmin(-1)

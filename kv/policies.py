@@ -31,6 +31,7 @@ class FullCache(KVCache):
     name = "full"
     evicts = False
     position_only = True
+    supports_pos_shift = False  # never evicts: every rank is the token's position
 
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         B, H, _ = self.slot_pos.shape
@@ -80,7 +81,9 @@ class RandomCache(KVCache):
         self.register_buffer("salt", salt, persistent=False)  # fixed, survives reset()
 
     def slot_scores(self, input_pos: Tensor) -> Tensor:
-        return counter_hash(self.slot_pos, input_pos, self.salt).double()
+        # positions counted from the row's first token: a ragged batch's row draws what it would alone
+        start = self.row_start
+        return counter_hash(self.slot_pos - start, input_pos - start, self.salt).double()
 
 
 class H2OCache(KVCache):

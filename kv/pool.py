@@ -32,6 +32,8 @@ from kv.slots import INF, KVCache, put_rows, reduce_groups
 class PoolCache(KVCache):
     """The pool mechanics shared by per-head-budget policies (a layout, no paper: see the module doc)."""
 
+    supports_pos_shift = False  # heads hold different counts, so a query would need a rank per KV head: not built
+
     def allocate(self, slots: tuple[int, ...]) -> None:
         B, H, C = slots
         self.pool_size = H * C
@@ -143,7 +145,7 @@ class PoolCache(KVCache):
         pos, head = self.slot_pos, self.slot_head
         valid = pos >= 0
         score = self.slot_scores(input_pos).masked_fill(~valid, -INF)
-        protected = valid & ((pos < self.n_sinks) | (pos > input_pos - self.recent_window))
+        protected = valid & (self.is_sink(pos) | (pos > input_pos - self.recent_window))
         base = protected.long() * 2
         allowance = self.owned().sum(-1) + 1 - self.head_floor  # [B, H_kv]
         lost = torch.zeros_like(allowance)

@@ -16,6 +16,11 @@ With kv_bits (8 or 4), k and v hold uint8 codes ([B, H_kv, C, D] or packed [B, H
 k_scale / k_zero / v_scale / v_zero [B, H_kv, C, D/group]: write_slots quantizes only the tokens it writes,
 keys_values dequantizes for attention (kv.quant). Policies see full-precision K at insert and prefill.
 
+With pos_shift (StreamingLLM's positions, --pos-shift) keys are stored before RoPE instead, slot_rank [B, H_kv, C]
+holds each token's rank among the cached tokens (kept incrementally: an eviction lowers the rank of every later
+token by one), and keys_values / rotate_query apply RoPE at those ranks, so the positions attention sees never
+exceed the capacity and decoding can run past the model's max_seq_len.
+
 Hooks a policy may override (each a few lines):
     init_state()                 register its statistics with add_state()
     slot_scores(input_pos)       [B, H_kv, C] float, low = evicted first
@@ -33,9 +38,28 @@ import torch
 from torch import Tensor, nn
 
 from kv.quant import dequantize_tokens, quantize_tokens, storage_width
-from model import KVFastError, ModelArgs
+from model import KVFastError, ModelArgs, apply_rope, rope_frequencies
 
 INF = float("inf")
+
+
+def rope_at(positions: Tensor, args: ModelArgs) -> tuple[Tensor, Tensor]:
+    """cos and sin [*positions.shape, D] at arbitrary positions, equal to model.rope_tables' rows (float64
+    angles, rounded once)."""
+    angles = positions.double().unsqueeze(-1) * rope_frequencies(args).to(positions.device)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+_RANK_TABLES: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def rank_tables(capacity: int, args: ModelArgs, device: torch.device) -> tuple[Tensor, Tensor]:
+    """RoPE cos / sin [capacity, D] for ranks 0..capacity-1, one copy shared by every layer of that capacity."""
+    key = (capacity, args.head_dim, args.rope_base, repr(args.rope_scaling), str(device))
+    if key not in _RANK_TABLES:
+        _RANK_TABLES[key] = rope_at(torch.arange(capacity, device=device), args)
+    return _RANK_TABLES[key]
 
 
 def reduce_groups(x: Tensor, how: str, dim: int = 2) -> Tensor:
@@ -110,12 +134,14 @@ class KVCache(nn.Module):
     refresh_interval: int | None = None  # read by generate.Decoder: call refresh() every that many steps
     # the last recall_slots slots belong to the tiers (kv.tiers): never evicted by the policy, never prefilled
     recall_slots: int = 0
+    # False where --pos-shift cannot apply: the cache never evicts, or its statistics rotate keys by position
+    supports_pos_shift: ClassVar[bool] = True
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, capacity: int, *, n_groups: int = 1,
                  prompt_capacity: int | None = None, compressor=None, layer: int = 0,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  kv_bits: int | None = None, kv_group_size: int | None = None,
-                 model_args: ModelArgs | None = None, **params: Any):
+                 model_args: ModelArgs | None = None, pos_shift: bool = False, **params: Any):
         super().__init__()
         unknown = set(params) - set(self.params)
         if unknown:
@@ -132,6 +158,12 @@ class KVCache(nn.Module):
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_bits, self.kv_group_size = kv_bits, (kv_group_size or head_dim) if kv_bits else None
+        self.pos_shift = pos_shift
+        if pos_shift:
+            if not self.supports_pos_shift:
+                raise KVFastError(f"--pos-shift does not apply to --cache {self.name}")
+            # plain attributes, not buffers: one table serves every layer of this capacity
+            self.rank_cos, self.rank_sin = rank_tables(capacity, model_args or ModelArgs(), self.device)
         self.allocate((batch_size, n_kv_heads, capacity))
         # tokens seen so far = the next position; read once at the end for the report (no per-step sync)
         self.register_buffer("seen", torch.zeros(1, dtype=torch.long, device=device), persistent=False)
@@ -158,6 +190,13 @@ class KVCache(nn.Module):
                                      persistent=False)
         self.register_buffer("slot_pos", torch.full(slots, -1, dtype=torch.long, device=device),
                              persistent=False)
+        if self.pos_shift:
+            self.register_buffer("slot_rank", torch.full(slots, -1, dtype=torch.long, device=device),
+                                 persistent=False)
+        # per row, the position of its first token: 0, except in a ragged batch (ragged.py), whose shorter prompts
+        # start later on the batch's one clock; sinks count from there
+        row_start = torch.zeros((slots[0],) + (1,) * (len(slots) - 1), dtype=torch.long, device=device)
+        self.register_buffer("row_start", row_start, persistent=False)
 
     def kv_buffers(self) -> list[str]:
         """Names of the buffers that hold K/V (codes, scales and zero points when quantized)."""
@@ -179,11 +218,24 @@ class KVCache(nn.Module):
                 put_rows(buffer, slot, value)
 
     def keys_values(self) -> tuple[Tensor, Tensor]:
-        """Every slot's K and V [B, H_kv, C, D] in the compute dtype (dequantized if kv_bits)."""
+        """Every slot's K and V [B, H_kv, C, D] in the compute dtype (dequantized if kv_bits; keys rotated to
+        their ranks if pos_shift)."""
         if not self.kv_bits:
-            return self.k, self.v
-        return (dequantize_tokens(self.k, self.k_scale, self.k_zero, self.kv_bits, self.dtype),
-                dequantize_tokens(self.v, self.v_scale, self.v_zero, self.kv_bits, self.dtype))
+            k, v = self.k, self.v
+        else:
+            k = dequantize_tokens(self.k, self.k_scale, self.k_zero, self.kv_bits, self.dtype)
+            v = dequantize_tokens(self.v, self.v_scale, self.v_zero, self.kv_bits, self.dtype)
+        if self.pos_shift:
+            rank = self.slot_rank.clamp(min=0)  # empty slots (-1) are masked anyway
+            k = apply_rope(k, self.rank_cos[rank], self.rank_sin[rank])
+        return k, v
+
+    def rotate_query(self, q: Tensor) -> Tensor:
+        """pos_shift: RoPE for the new query q [B, H, 1, D] (stored unrotated) at its rank, the number of cached
+        tokens before it, per KV head (every head of the uniform layout holds as many)."""
+        rank = self.kept() - 1  # the new token is in the cache already: update() ran
+        cos, sin = (t[rank].repeat_interleave(self.n_groups, dim=1).unsqueeze(2) for t in (self.rank_cos, self.rank_sin))
+        return apply_rope(q, cos, sin)
 
     # ---- statistics buffers --------------------------------------------------------------------------
     def add_state(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
@@ -202,6 +254,9 @@ class KVCache(nn.Module):
     def reset(self) -> None:
         """Empty the cache for a new sequence, reusing the buffers (compiled code holds on to them)."""
         self.slot_pos.fill_(-1)
+        self.row_start.zero_()
+        if self.pos_shift:
+            self.slot_rank.fill_(-1)
         self.seen.zero_()
         self.reset_state()
 
@@ -216,17 +271,22 @@ class KVCache(nn.Module):
         B, H, S, D = k.shape
         n = min(S, self.prompt_capacity)
         if S <= self.prompt_capacity:
-            keep = None
-            self.write_slots(None, k, v)
-            self.slot_pos[:, :, :S] = torch.arange(S, device=k.device)
+            keep, kept_k, kept_v = None, k, v
+            pos = torch.arange(S, device=k.device).expand(B, H, S)
         else:
             if self.compressor is None:
                 raise KVFastError(f"prompt of {S} tokens does not fit the {self.name!r} cache of "
                                   f"{self.prompt_capacity} slots and no prompt compressor is set")
-            keep = self.compressor.select(q, k, n, self.n_sinks, self.recent_window, memo, v)  # [B, H, n]
+            keep = pos = self.compressor.select(q, k, n, self.n_sinks, self.recent_window, memo, v)  # [B, H, n]
             index = keep.unsqueeze(-1).expand(B, H, n, D)
-            self.write_slots(None, k.gather(2, index), v.gather(2, index))
-            self.slot_pos[:, :, :n] = keep
+            kept_k, kept_v = k.gather(2, index), v.gather(2, index)
+        if self.pos_shift:  # store the keys before RoPE (undo the rotation at their original positions)
+            cos, sin = rope_at(pos, self.model_args or ModelArgs())
+            kept_k = apply_rope(kept_k, cos, -sin)
+            self.slot_rank.fill_(-1)
+            self.slot_rank[:, :, :n] = pos.argsort(dim=-1).argsort(dim=-1)
+        self.write_slots(None, kept_k, kept_v)
+        self.slot_pos[:, :, :n] = pos
         self.slot_pos[:, :, n:] = -1
         self.seen.fill_(S)
         self.reset_state()
@@ -243,11 +303,21 @@ class KVCache(nn.Module):
     def insert(self, slot: Tensor, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """update() after the choice: the new token into slot [B, H_kv] (kv.tiers demotes its old token first)."""
         B, H = slot.shape
+        if self.pos_shift:
+            self.shift_ranks(slot.view(B, H, 1))
         self.write_slots(slot.view(B, H, 1), k, v)
         self.slot_pos.scatter_(2, slot.view(B, H, 1), input_pos.view(1, 1, 1).expand(B, H, 1))
         self.seen.copy_(input_pos + 1)
         self.on_insert(slot, k, input_pos)
         return *self.keys_values(), (self.slot_pos >= 0).unsqueeze(2)
+
+    def shift_ranks(self, slot: Tensor) -> None:
+        """pos_shift, before the new token overwrites `slot` [B, H_kv, 1]: the tokens after its evicted token
+        move down one rank, and the new token (the newest) takes the last rank."""
+        pos = self.slot_pos
+        victim = pos.gather(2, slot)  # -1: an empty slot, nothing evicted
+        self.slot_rank.sub_(((pos > victim) & (victim >= 0)).long())
+        self.slot_rank.scatter_(2, slot, (pos >= 0).sum(-1, keepdim=True) - (victim >= 0).long())
 
     def truncate(self, length: int) -> None:
         """Forget every token at position >= length (speculate.py's rejected drafts): their slots become empty
@@ -262,12 +332,16 @@ class KVCache(nn.Module):
     def protect(self, scores: Tensor, t: Tensor) -> Tensor:
         """Scores with sinks and the recent window (before the incoming position t) at +inf, empty at -inf."""
         pos = self.slot_pos
-        kept = (pos < self.n_sinks) | (pos > t - self.recent_window)
+        kept = self.is_sink(pos) | (pos > t - self.recent_window)
         scores = scores.masked_fill(kept, INF).masked_fill(pos < 0, -INF)
         if self.recall_slots:  # the tiers' recall slots: full or empty, never the policy's to fill or evict
             scores = torch.cat([scores[..., : -self.recall_slots],
                                 scores.new_full((*scores.shape[:-1], self.recall_slots), INF)], dim=-1)
         return scores
+
+    def is_sink(self, pos: Tensor) -> Tensor:
+        """Positions pos (slot_pos-shaped) among their row's first n_sinks tokens."""
+        return pos - self.row_start < self.n_sinks
 
     def slot_scores(self, input_pos: Tensor) -> Tensor:
         raise NotImplementedError
@@ -284,6 +358,39 @@ class KVCache(nn.Module):
     def recall(self, q: Tensor) -> None:
         """Bring back evicted tokens for the current query q [B, H, 1, D] before update() (kv.tiers; none here)."""
 
+    # ---- ragged batches (ragged.py) ----------------------------------------------------------------------
+    def load_row(self, row: int, single: KVCache, offset: int) -> None:
+        """Copy a one-row cache of the same policy and capacity, holding K/V in full precision (a prompt prefilled
+        alone), into `row`, its positions `offset` later: ragged.py puts every row on the batch's one clock. Keys
+        are rotated by the offset (RoPE composes: R(offset) R(p) = R(offset + p), so attention within the row is
+        unchanged) unless stored before RoPE (pos_shift), and quantized here, once, if kv_bits. Every other
+        per-row buffer (statistics, ranks, a pool's owners) is copied as it is."""
+        k, v = single.keys_values() if not single.pos_shift else (single.k, single.v)
+        k, v = k[0], v[0]
+        if not self.pos_shift:
+            cos, sin = rope_at(torch.tensor(offset, device=k.device), self.model_args or ModelArgs())
+            k = apply_rope(k, cos, sin)
+        parts = ([*quantize_tokens(k, self.kv_bits, self.kv_group_size), *quantize_tokens(v, self.kv_bits,
+                  self.kv_group_size)] if self.kv_bits else [k, v])
+        for name, value in zip(self.kv_buffers(), parts):
+            getattr(self, name)[row] = value
+        pos = single.slot_pos[0]
+        self.slot_pos[row] = torch.where(pos >= 0, pos + offset, pos)
+        self.row_start[row] = offset
+        skip = {*self.kv_buffers(), "slot_pos", "row_start", "seen"}
+        theirs = dict(single.named_buffers())
+        for name, buffer in self.named_buffers():
+            if name in skip:
+                continue
+            source = theirs[name]
+            if buffer.dim() and buffer.shape[0] == self.batch_size and source.shape == (1, *buffer.shape[1:]):
+                buffer[row] = source[0]
+            else:  # not per row (a schedule, constants): the same in every one-row cache
+                buffer.copy_(source)
+
+    def after_load(self) -> None:
+        """Once every row is loaded and `seen` is the batch's clock (policies whose statistics depend on it)."""
+
     # ---- benchmarking ----------------------------------------------------------------------------------
     def fill_synthetic(self, seq_len: int, generator: torch.Generator | None = None) -> None:
         """Make the cache look as if a seq_len-token sequence had been processed (random K/V, the sinks and
@@ -295,6 +402,8 @@ class KVCache(nn.Module):
         shape = (self.batch_size, self.n_kv_heads, n, self.head_dim)
         self.write_slots(None, *(torch.randn(shape, generator=generator).to(self.device, self.dtype) for _ in "kv"))
         self.slot_pos[:, :, :n] = positions.to(self.slot_pos)
+        if self.pos_shift:
+            self.slot_rank[:, :, :n] = torch.arange(n, device=self.device)
         self.seen.fill_(seq_len)
         self.synthetic_state(generator)
 

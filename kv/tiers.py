@@ -138,6 +138,7 @@ class Tiers:
     (demote), brings it back (recall) and counts every byte that moves. Shapes never change."""
 
     tiered = True
+    supports_pos_shift = False  # recalled pages would need ranks among the hot tokens: not built
 
     def __init__(self, *args, tiers: TierSpec, **kwargs):
         super().__init__(*args, **kwargs)
