@@ -8,6 +8,7 @@
     python bench.py --section compile     # cold / warm / portable compile per policy, whole step vs one block
     python bench.py --section tiers       # tiered (kv.tiers) vs plain decode step at the same hot budget, 4096 tokens
     python bench.py --section speculate   # self-speculative decoding (speculate.py) vs plain, on real text
+    python bench.py --section ragged      # 8 different prompts decoded together (ragged.py) vs one run each
 
 Markdown tables go to stdout, everything measured to --json.
 """
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
     p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "tiers", "compile",
-                                                "speculate", "all"],
+                                                "speculate", "ragged", "all"],
                    default="engine", help="which tables")
     p.add_argument("--compressors", nargs="+", default=["snapkv", "h2o", "expected_attention", "kvzip"],
                    help="prefill table: prompt compressors")
@@ -544,6 +545,8 @@ def main(argv: list[str] | None = None) -> None:
                         "new tokens or a slot count)")
     p.add_argument("--draft-k", type=int, nargs="+", default=[2, 3, 4],
                    help="speculate table: drafts per round (--speculate K), a row each")
+    p.add_argument("--ragged-lengths", type=int, nargs="+", default=[20, 45, 100, 200, 400, 700, 1200, 2000],
+                   help="ragged table: the prompts' lengths in tokens, a row of the batch each")
     p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")
     add_tier_flags(p, "tiers table: the tiered policy's settings")
     args = p.parse_args(argv)
@@ -581,6 +584,10 @@ def main(argv: list[str] | None = None) -> None:
 
         args.lengths = tier_lengths or [4096]
         out["speculate"] = bench_speculate(model, checkpoint, args)
+    if args.section in ("ragged", "all"):
+        from benchragged import bench_ragged
+
+        out["ragged"] = bench_ragged(model, checkpoint, args)
     if args.section in ("compile", "all"):
         from benchcompile import bench_compile, bench_lengths
 

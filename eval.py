@@ -509,14 +509,15 @@ def recorded_bytes_per_token(model: Transformer) -> int:
     return a.n_layers * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim * next(model.parameters()).element_size()
 
 
-def plan(args: argparse.Namespace, combos: list[Combo]) -> int:
+def plan(args: argparse.Namespace, combos: list[Combo], max_seq_len: int) -> int:
     """Records this run will produce at most (the progress bar's total)."""
     n = min(args.samples, args.limit or args.samples)
     w = min(args.ppl_samples, args.limit or args.ppl_samples)
     retrieval = sum(t in args.tasks for t in tasks.RETRIEVAL_TASKS) * len(args.lengths)
     retrieval += ("fidelity" in args.tasks) * len(args.fidelity_lengths)
     total = retrieval * n * len(combos) * len(args.mode)
-    total += ("ppl" in args.tasks) * w * len(combos) + ("attention-loss" in args.tasks) * w * (len(combos) - 1)
+    readers = len(combos) - (args.ppl_length > max_seq_len)  # full cannot read a window past the model's length
+    total += ("ppl" in args.tasks) * w * readers + ("attention-loss" in args.tasks) * w * (len(combos) - 1)
     return total
 
 
@@ -535,7 +536,7 @@ def evaluate(ev: Evaluator, store: Store) -> None:
     framing = tasks.Framing.make(ev.tok, args.chat)
     n = min(args.samples, args.limit or args.samples)
     sentences = None
-    with torch.inference_mode(), tqdm(total=plan(args, combos), unit="rec", dynamic_ncols=True) as bar:
+    with torch.inference_mode(), tqdm(total=plan(args, combos, ev.model.args.max_seq_len), unit="rec", dynamic_ncols=True) as bar:
         # fidelity rides on the niah_single prompts (one prefill serves both)
         sources = [t for t in tasks.RETRIEVAL_TASKS if t in args.tasks]
         if "fidelity" in args.tasks and "niah_single" not in sources:
@@ -566,7 +567,8 @@ def evaluate(ev: Evaluator, store: Store) -> None:
             w = min(args.ppl_samples, args.limit or args.ppl_samples)
             bos = ev.tok.bos_id if getattr(ev.tok, "add_bos", False) else None
             windows = tasks.text_windows(ids, args.ppl_length, w, args.seed, bos)
-            for part in batches(w, args.batch_size, args.ppl_length, per_token, args.record_gb):
+            recorded = min(args.ppl_length, ev.model.args.max_seq_len)  # past it, only a prefix is recorded
+            for part in batches(w, args.batch_size, recorded, per_token, args.record_gb):
                 run_windows(ev, [windows[i] for i in part], list(part), text_tasks, combos, store, bar)
 
 

@@ -437,6 +437,8 @@ def main(argv: list[str] | None = None) -> None:
     make_cache = kvcache.cache_factory_from_args(args, B, model.args, len(ids), room, dtype, args.device, tokenizer)
     single_rows = None  # --prompts: the one-row caches each prompt is prefilled into (ragged.py)
     if args.prompts:
+        if make_cache.tiers:  # e.g. from a --cache-config preset
+            raise KVFastError("--prompts does not combine with tiers (--warm-tokens): not built for ragged batches")
         single = kvcache.cache_factory_from_args(ragged.single_row_args(args), 1, model.args, len(ids), room, dtype,
                                                  args.device, tokenizer)
         single_rows = [single(i) for i in range(model.args.n_layers)]

@@ -174,3 +174,53 @@ def test_cli_streams_past_the_models_length(tiny_checkpoint, capsys):
     assert generate.cli(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "--pos-shift" in out and "600" in out
+
+
+def test_eval_reads_a_ppl_window_past_the_models_length(tmp_path):
+    """eval.py --pos-shift: a 600-token window on a 300-position model; full (which cannot read it) is left out,
+    each segment's ppl is recorded and the segments add up to the cumulative figure."""
+    from test_eval import PROSE, ByteTokenizer
+    from test_eval import tiny_model as byte_model
+
+    import eval as ev_mod
+
+    text = tmp_path / "prose.txt"
+    text.write_text("\n\n".join(PROSE * 4))
+    model = byte_model()
+    model.args.max_seq_len = 300
+    model.rope_cos, model.rope_sin = rope_tables(model.args)
+    args = ev_mod.parse_args(["--ppl-text", str(text), "--out", str(tmp_path / "out"), "--device", "cpu", "--tasks",
+                              "ppl", "--policies", "window", "h2o", "--pos-shift", "--budgets", "64", "--lengths", "128",
+                              "--ppl-length", "600", "--ppl-samples", "2", "--ppl-every", "100", "--n-sinks", "4"])
+    store = ev_mod.Store(tmp_path / "out", {"run": "test"}, False)
+    ev_mod.evaluate(ev_mod.Evaluator(model, ByteTokenizer(), args), store)
+    records = list(store.records.values())
+    assert sorted({r["policy"] for r in records}) == ["h2o+shift", "window+shift"] and len(records) == 4
+    for r in records:
+        m = r["metrics"]
+        assert r["prefilled"] == 64 and math.isfinite(m["ppl@600"])
+        segments = sum(m[f"nll_seg@{p}"] * (p - max(q - 1, 0) - 1) for q, p in zip([0, *range(100, 600, 100)],
+                                                                              range(100, 601, 100)))
+        assert segments == pytest.approx(m["nll@600"] * 599, rel=1e-6)
+    import evalreport
+
+    files = evalreport.plots(records, tmp_path / "out")
+    assert (tmp_path / "out" / "ppl_by_position.png") in files
+
+
+@pytest.mark.parametrize("policies,message", [(["window"], "policies ['window'] keep original positions"),
+                                               (["window+warm"], "policies ['window+warm'] keep")])
+def test_eval_refuses_unshifted_policies_past_the_models_length(tiny_checkpoint, policies, message, capsys):
+    import eval as ev_mod
+
+    code = ev_mod.cli(["--checkpoint", str(tiny_checkpoint), "--tasks", "ppl", "--policies", *policies,
+                       "--ppl-length", "600", "--lengths", "128", "--answer-room", "8"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_eval_rejects_shift_where_it_does_not_apply(capsys):
+    import eval as ev_mod
+
+    assert ev_mod.cli(["--policies", "adakv+shift"]) == 2
+    assert "--policies adakv+shift: --pos-shift does not apply to --cache adakv" in capsys.readouterr().err
