@@ -99,9 +99,11 @@ def test_combo_labels_round_trip():
     assert [c.label() for c in combos] == ["full", "h2o@0.25", "h2o@0.5", "h2o@0.25+warm", "h2o@0.5+warm",
                                            "snapkv@0.25+warm", "snapkv@0.5+warm"]
     for c in combos[1:]:
-        policy, warm = split_combo_policy(c.name)  # the recorded name gives the combo back
-        assert Combo(policy, c.budget, tuple(TIER_DEFAULTS.items()) if warm else None) == c
+        policy, warm, shift = split_combo_policy(c.name)  # the recorded name gives the combo back
+        assert Combo(policy, c.budget, tuple(TIER_DEFAULTS.items()) if warm else None, shift) == c
         assert ev_mod.record_key("passkey", 600, 0, c, "agnostic") == f"passkey|600|0|{c.name}|{c.budget}|agnostic"
+    shifted = ev_mod.combos_of(ev_mod.parse_args(["--policies", "window", "--pos-shift", "--budgets", "0.25"]))[1]
+    assert shifted.label() == "window@0.25+shift" and split_combo_policy(shifted.name) == ("window", False, True)
     plain = ev_mod.record_key("passkey", 600, 0, combos[1], "agnostic")
     assert plain == "passkey|600|0|h2o|0.25|agnostic"  # plain keys as before tiers: old results stay cached
     args = ev_mod.parse_args(["--policies", "h2o+warm", "--budgets", "0.25", "--warm-bits", "8", "--recall-slots",
