@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 import cache as kvcache
+from benchragged import bench_ragged
+from benchspeculate import bench_speculate
 from evalcaches import add_tier_flags, given_tier_flags, tier_settings
 from generate import DEFAULT_CHECKPOINT, ArgumentParser, Decoder, resolve_checkpoint, run_cli
 from kv.tiers import tier_report
@@ -580,13 +582,9 @@ def main(argv: list[str] | None = None) -> None:
         args.lengths = tier_lengths
         out["tiers"] = bench_tiers(model, args)
     if args.section in ("speculate", "all"):
-        from benchspeculate import bench_speculate
-
         args.lengths = tier_lengths or [4096]
         out["speculate"] = bench_speculate(model, checkpoint, args)
     if args.section in ("ragged", "all"):
-        from benchragged import bench_ragged
-
         out["ragged"] = bench_ragged(model, checkpoint, args)
     if args.section in ("compile", "all"):
         from benchcompile import bench_compile, bench_lengths

@@ -116,11 +116,17 @@ def rope_frequencies(args: ModelArgs) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(args: ModelArgs) -> tuple[Tensor, Tensor]:
-    """cos and sin of shape [max_seq_len, head_dim] (the rotate-half layout repeats each frequency)."""
-    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), rope_frequencies(args))
+def rope_at(positions: Tensor, args: ModelArgs) -> tuple[Tensor, Tensor]:
+    """cos and sin [*positions.shape, head_dim] at any positions (float64 angles, rounded once; the rotate-half
+    layout repeats each frequency)."""
+    angles = positions.double().unsqueeze(-1) * rope_frequencies(args).to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
+
+
+def rope_tables(args: ModelArgs) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape [max_seq_len, head_dim]."""
+    return rope_at(torch.arange(args.max_seq_len), args)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -38,17 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from kv.quant import dequantize_tokens, quantize_tokens, storage_width
-from model import KVFastError, ModelArgs, apply_rope, rope_frequencies
+from model import KVFastError, ModelArgs, apply_rope, rope_at
 
 INF = float("inf")
-
-
-def rope_at(positions: Tensor, args: ModelArgs) -> tuple[Tensor, Tensor]:
-    """cos and sin [*positions.shape, D] at arbitrary positions, equal to model.rope_tables' rows (float64
-    angles, rounded once)."""
-    angles = positions.double().unsqueeze(-1) * rope_frequencies(args).to(positions.device)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
 
 
 _RANK_TABLES: dict[tuple, tuple[Tensor, Tensor]] = {}
