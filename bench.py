@@ -9,6 +9,7 @@
     python bench.py --section tiers       # tiered (kv.tiers) vs plain decode step at the same hot budget, 4096 tokens
     python bench.py --section speculate   # self-speculative decoding (speculate.py) vs plain, on real text
     python bench.py --section ragged      # 8 different prompts decoded together (ragged.py) vs one run each
+    python bench.py --section tp          # generate.py on 1 process vs torchrun on 2 ranks (tp.py)
 
 Markdown tables go to stdout, everything measured to --json.
 """
@@ -30,6 +31,7 @@ from torch import Tensor
 import cache as kvcache
 from benchragged import bench_ragged
 from benchspeculate import bench_speculate
+from benchtp import bench_tp
 from evalcaches import add_tier_flags, given_tier_flags, tier_settings
 from generate import DEFAULT_CHECKPOINT, ArgumentParser, Decoder, resolve_checkpoint, run_cli
 from kv.tiers import tier_report
@@ -499,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
     p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "tiers", "compile",
-                                                "speculate", "ragged", "all"],
+                                                "speculate", "ragged", "tp", "all"],
                    default="engine", help="which tables")
     p.add_argument("--compressors", nargs="+", default=["snapkv", "h2o", "expected_attention", "kvzip"],
                    help="prefill table: prompt compressors")
@@ -549,6 +551,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="speculate table: drafts per round (--speculate K), a row each")
     p.add_argument("--ragged-lengths", type=int, nargs="+", default=[20, 45, 100, 200, 400, 700, 1200, 2000],
                    help="ragged table: the prompts' lengths in tokens, a row of the batch each")
+    p.add_argument("--tp-ranks", type=int, nargs="+", default=[1, 2],
+                   help="tp table: process counts, a row each (torchrun for more than 1; tp.py)")
     p.add_argument("--json", type=Path, default=Path("bench_results.json"), help="where to write all figures")
     add_tier_flags(p, "tiers table: the tiered policy's settings")
     args = p.parse_args(argv)
@@ -586,6 +590,8 @@ def main(argv: list[str] | None = None) -> None:
         out["speculate"] = bench_speculate(model, checkpoint, args)
     if args.section in ("ragged", "all"):
         out["ragged"] = bench_ragged(model, checkpoint, args)
+    if args.section in ("tp", "all"):
+        out["tp"] = bench_tp(checkpoint, args)
     if args.section in ("compile", "all"):
         from benchcompile import bench_compile, bench_lengths
 

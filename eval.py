@@ -42,6 +42,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ from evalcaches import (
     tier_fields,
     tier_settings,
 )
-from evalstore import Store, add_record, head_fields, record_key
+from evalstore import NO_MODE, Store, add_record, head_fields, record_key
 from evaltext import run_windows
 from generate import (
     DEFAULT_CHECKPOINT,
@@ -139,6 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the cells as Ray tasks (evalray.py): alone, on a local cluster started here; with an "
+                        "ADDRESS (or auto), on that cluster. Needs `pip install ray`")
+    p.add_argument("--ray-workers", type=int, default=None,
+                   help="--ray without an ADDRESS: the local cluster's workers (default: one per core)")
     kvcache.add_param_flags(p.add_argument_group("policy hyper-parameters (each applies to the listed policies "
                                                  "that use it)"))
     add_tier_flags(p, "the POLICY+warm combos of --policies")
@@ -203,6 +209,8 @@ def check_args(args: argparse.Namespace) -> None:
     for key in args.params:
         if not any(key in policy_params(split_combo_policy(p)[0]) for p in args.policies):
             raise KVFastError(f"--{key.replace('_', '-')} is used by none of the policies {args.policies}")
+    if args.ray_workers is not None and (args.ray is None or args.ray_workers <= 0):
+        raise KVFastError("--ray-workers needs --ray and must be > 0")
     if args.ppl_every > args.ppl_length:
         raise KVFastError("--ppl-every exceeds --ppl-length")
 
@@ -325,19 +333,92 @@ def recorded_bytes_per_token(model: Transformer) -> int:
     return a.n_layers * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim * next(model.parameters()).element_size()
 
 
-def plan(args: argparse.Namespace, combos: list[Combo], max_seq_len: int) -> int:
-    """Records this run will produce at most (the progress bar's total)."""
+TEXT = "text"  # a Cell of ppl / attention-loss windows
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One unit of work: a batch of samples of one source at one length, prefilled once, every combo run on it.
+    source: a retrieval task's prompts (fidelity rides on niah_single's) or TEXT (the ppl text's windows)."""
+
+    source: str
+    length: int
+    wanted: tuple[str, ...]
+    indices: tuple[int, ...]
+
+
+class Inputs:
+    """The run's prompts and text windows, built on first use and kept (a Ray worker builds only its cells')."""
+
+    def __init__(self, ev: Evaluator):
+        self.ev, self.memo = ev, {}
+        self.framing = tasks.Framing.make(ev.tok, ev.args.chat)
+
+    def prompts(self, source: str, length: int) -> list[tasks.Prompt]:
+        a = self.ev.args
+        if "sentences" not in self.memo and source != "passkey":
+            self.memo["sentences"] = tasks.haystack_units(self.ev.tok, a.haystack)
+        if (source, length) not in self.memo:
+            n = min(a.samples, a.limit or a.samples)
+            self.memo[(source, length)] = tasks.make_prompts(source, self.ev.tok, self.framing, length, n, a.seed,
+                                                             a.depths, self.memo.get("sentences"))
+        return self.memo[(source, length)]
+
+    def windows(self) -> list[list[int]]:
+        if TEXT not in self.memo:
+            a, tok = self.ev.args, self.ev.tok
+            w = min(a.ppl_samples, a.limit or a.ppl_samples)
+            bos = tok.bos_id if getattr(tok, "add_bos", False) else None
+            self.memo[TEXT] = tasks.text_windows(tok.encode(tasks.load_text(a.ppl_text)), a.ppl_length, w, a.seed, bos)
+        return self.memo[TEXT]
+
+
+def plan_cells(args: argparse.Namespace, model: Transformer) -> list[Cell]:
+    """Every cell of the grid, in the order a single process runs them."""
+    per_token = recorded_bytes_per_token(model)
     n = min(args.samples, args.limit or args.samples)
-    w = min(args.ppl_samples, args.limit or args.ppl_samples)
-    retrieval = sum(t in args.tasks for t in tasks.RETRIEVAL_TASKS) * len(args.lengths)
-    retrieval += ("fidelity" in args.tasks) * len(args.fidelity_lengths)
-    total = retrieval * n * len(combos) * len(args.mode)
-    readers = len(combos) - (args.ppl_length > max_seq_len)  # full cannot read a window past the model's length
-    total += ("ppl" in args.tasks) * w * readers + ("attention-loss" in args.tasks) * w * (len(combos) - 1)
-    return total
+    sources = [t for t in tasks.RETRIEVAL_TASKS if t in args.tasks]
+    if "fidelity" in args.tasks and "niah_single" not in sources:  # one prefill serves both
+        sources.append("niah_single")
+    cells = []
+    for src in sources:
+        for L in sorted(set(args.lengths) | (set(args.fidelity_lengths) if src == "niah_single" else set())):
+            wanted = [t for t in (src,) if t in args.tasks and L in args.lengths]
+            if src == "niah_single" and "fidelity" in args.tasks and L in args.fidelity_lengths:
+                wanted.append("fidelity")
+            if wanted:
+                cells += [Cell(src, L, tuple(wanted), tuple(part))
+                          for part in batches(n, args.batch_size, L, per_token, args.record_gb)]
+    text_tasks = tuple(t for t in ("ppl", "attention-loss") if t in args.tasks)
+    if text_tasks:
+        w = min(args.ppl_samples, args.limit or args.ppl_samples)
+        recorded = min(args.ppl_length, model.args.max_seq_len)  # past it, only a prefix is recorded
+        cells += [Cell(TEXT, args.ppl_length, text_tasks, tuple(part))
+                  for part in batches(w, args.batch_size, recorded, per_token, args.record_gb)]
+    return cells
 
 
-def evaluate(ev: Evaluator, store: Store) -> None:
+def cell_keys(cell: Cell, combos: list[Combo], args: argparse.Namespace, max_seq_len: int) -> list[str]:
+    """The records a cell produces (when none is done yet)."""
+    if cell.source == TEXT:  # attention loss follows full; full cannot read a window past the model's length
+        return [record_key(t, cell.length, i, c, NO_MODE) for t in cell.wanted for c in combos for i in cell.indices
+                if not (c.is_full and (t == "attention-loss" or cell.length > max_seq_len))]
+    return [record_key(t, cell.length, i, c, mode) for mode in args.mode for c in combos for t in cell.wanted
+            for i in cell.indices]
+
+
+def run_cell(ev: Evaluator, inputs: Inputs, cell: Cell, combos: list[Combo], store: Store, bar: Any) -> None:
+    if cell.source == TEXT:
+        windows = inputs.windows()
+        run_windows(ev, [windows[i] for i in cell.indices], list(cell.indices), list(cell.wanted), combos, store, bar)
+    else:
+        prompts = inputs.prompts(cell.source, cell.length)
+        run_prompts(ev, [prompts[i] for i in cell.indices], list(cell.wanted), combos, store, bar)
+
+
+def evaluate(ev: Evaluator, store: Store, ray_address: str | None = None, worker_args: tuple = ()) -> None:
+    """Run every cell not done yet: here, one after another, or as Ray tasks (evalray.py) when ray_address is
+    given (worker_args: how a worker loads the model, evalray.run_cells)."""
     from tqdm import tqdm
 
     args = ev.args
@@ -348,44 +429,22 @@ def evaluate(ev: Evaluator, store: Store) -> None:
     if {"ppl", "attention-loss"} & set(args.tasks):
         sizes.add((args.ppl_length, 0))
     ev.check_tiered(combos, sizes)
-    per_token = recorded_bytes_per_token(ev.model)
-    framing = tasks.Framing.make(ev.tok, args.chat)
-    n = min(args.samples, args.limit or args.samples)
-    sentences = None
-    with torch.inference_mode(), tqdm(total=plan(args, combos, ev.model.args.max_seq_len), unit="rec", dynamic_ncols=True) as bar:
-        # fidelity rides on the niah_single prompts (one prefill serves both)
-        sources = [t for t in tasks.RETRIEVAL_TASKS if t in args.tasks]
-        if "fidelity" in args.tasks and "niah_single" not in sources:
-            sources.append("niah_single")
-        if any(src != "passkey" for src in sources):
-            sentences = tasks.haystack_units(ev.tok, args.haystack)
-        # every prompt is built first (cheap), so a length that cannot hold a task fails before any work
-        def cells(src: str) -> list[tuple[int, list[str]]]:
-            """(length, tasks) for a source: fidelity rides on niah_single at --fidelity-lengths."""
-            out = []
-            for L in sorted(set(args.lengths) | (set(args.fidelity_lengths) if src == "niah_single" else set())):
-                wanted = [t for t in (src,) if t in args.tasks and L in args.lengths]
-                if src == "niah_single" and "fidelity" in args.tasks and L in args.fidelity_lengths:
-                    wanted.append("fidelity")
-                if wanted:
-                    out.append((L, wanted))
-            return out
+    cells = plan_cells(args, ev.model)
+    inputs = Inputs(ev)
+    for cell in cells:  # every prompt is built first (cheap), so a length that cannot hold a task fails before any work
+        inputs.windows() if cell.source == TEXT else inputs.prompts(cell.source, cell.length)
+    keys = {cell: cell_keys(cell, combos, args, ev.model.args.max_seq_len) for cell in cells}
+    with torch.inference_mode(), tqdm(total=sum(map(len, keys.values())), unit="rec", dynamic_ncols=True) as bar:
+        bar.update(sum(store.done(k) for ks in keys.values() for k in ks))
+        if ray_address is not None:
+            import evalray
 
-        prompts = {(src, L): tasks.make_prompts(src, ev.tok, framing, L, n, args.seed, args.depths, sentences)
-                   for src in sources for L, _ in cells(src)}
-        for src in sources:
-            for L, wanted in cells(src):
-                for part in batches(n, args.batch_size, L, per_token, args.record_gb):
-                    run_prompts(ev, [prompts[(src, L)][i] for i in part], wanted, combos, store, bar)
-        text_tasks = [t for t in ("ppl", "attention-loss") if t in args.tasks]
-        if text_tasks:
-            ids = ev.tok.encode(tasks.load_text(args.ppl_text))
-            w = min(args.ppl_samples, args.limit or args.ppl_samples)
-            bos = ev.tok.bos_id if getattr(ev.tok, "add_bos", False) else None
-            windows = tasks.text_windows(ids, args.ppl_length, w, args.seed, bos)
-            recorded = min(args.ppl_length, ev.model.args.max_seq_len)  # past it, only a prefix is recorded
-            for part in batches(w, args.batch_size, recorded, per_token, args.record_gb):
-                run_windows(ev, [windows[i] for i in part], list(part), text_tasks, combos, store, bar)
+            todo = [c for c in cells if not all(map(store.done, keys[c]))]
+            if todo:
+                evalray.run_cells(ray_address, todo, keys, store, bar, args, *worker_args)
+            return
+        for cell in cells:
+            run_cell(ev, inputs, cell, combos, store, bar)
 
 
 # ---- main -------------------------------------------------------------------------------------------------------
@@ -412,7 +471,8 @@ def main(argv: list[str] | None = None) -> Path:
               "ppl_every": args.ppl_every, "ppl_decode_all": args.ppl_decode_all, "params": args.params}
     store = Store(out, config, args.overwrite)
     t0 = time.perf_counter()
-    evaluate(Evaluator(model, tokenizer, args), store)
+    worker = (checkpoint, str(dtype).replace("torch.", ""), args.ray_workers)  # how a Ray worker loads the model
+    evaluate(Evaluator(model, tokenizer, args), store, args.ray, worker)
     wall = time.perf_counter() - t0
     store.save()
     import evalreport

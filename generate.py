@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 import cache as kvcache
 import ragged
+import tp
 from kv import kvzip
 from kv.tiers import TierSpec, flush_caches, format_tier_report, tier_report
 from model import KVFastError, Transformer
@@ -406,6 +407,7 @@ def load(checkpoint: Path, device: str, dtype: torch.dtype):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.device = tp.init(args.device)  # under torchrun: join the ranks (tp.py); alone, nothing
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     torch.manual_seed(args.seed)
     if args.prompts:
@@ -414,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     kvcache.check_cache_args(args)  # bad policy, preset or flag: fail before loading the model
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load(checkpoint, args.device, dtype)
+    tp.shard(model)  # this rank's heads and FFN columns, before the caches are sized for its heads
     if args.chat:
         texts = [tokenizer.chat_prompt(t) for t in texts]
     rows = [tokenizer.encode(t, bos=tokenizer.add_bos) for t in texts]
@@ -501,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"prefill time: {t_prefill * 1000:.1f} ms")
     print(f"decode: {tok_s:.2f} tok/s per row, {tok_s * B:.2f} tok/s total")
     print(f"bandwidth achieved: {weight_bytes * tok_s / 1e9:.2f} GB/s (weights {weight_bytes / 1e6:.1f} MB per step)")
-    print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB")
+    print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB" + tp.describe(model))
     if compiled:
         print(f"compile mode: {decoder.mode or 'eager decode'}" + (f", scope {decoder.scope}" if decoder.scope else "")
               + (", dynamic capacity" if decoder.dynamic_capacity else "")
