@@ -28,11 +28,11 @@ def weights_file(checkpoint: Path, weights: str) -> Path:
     """The checkpoint's float weights or its quantize.py file, written on first use."""
     if weights == "fp32":
         return checkpoint
-    mode, _, group = weights.partition("-g")
-    name = f"model_{mode}.pth" if mode != "int4" else f"model_int4-g{group}.pth"
-    if not (checkpoint / name).exists():
-        import quantize
+    import quantize
 
+    mode, _, group = weights.partition("-g")
+    name = quantize.output_name(mode, int(group or 32))
+    if not (checkpoint / name).exists():
         quantize.main(["--checkpoint", str(checkpoint), "--mode", mode, *(["--group-size", group] if group else [])])
     return checkpoint / name
 
