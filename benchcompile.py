@@ -103,9 +103,9 @@ def lengths_worker(checkpoint: str, policy: str, scope: str, buckets: str, new_t
     new), a prefill and new_tokens timed decode steps. The recompile limit is raised so that exact capacities
     (one graph per length) can be counted past dynamo's default of 8."""
     import torch
-    from torch._dynamo.utils import counters
 
     from cache import make_cache_factory
+    from compilecache import dynamo_count, graph_count
     from generate import Decoder, prefill
     from model import Transformer
 
@@ -118,7 +118,7 @@ def lengths_worker(checkpoint: str, policy: str, scope: str, buckets: str, new_t
         model.setup_caches(make_cache_factory(policy, 1, model.args, n, new_tokens, budget=budget,
                                               capacity_buckets=None if buckets in ("off", "dynamic") else buckets))
         idx = torch.randint(0, model.args.vocab_size, (1, n), generator=generator)
-        graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
+        graphs, t0 = graph_count(), time.perf_counter()
         decoder.warm_up(idx)
         compile_s = time.perf_counter() - t0
         with torch.inference_mode():
@@ -127,9 +127,9 @@ def lengths_worker(checkpoint: str, policy: str, scope: str, buckets: str, new_t
             decoder.decode(first, n, new_tokens)
             tok_s = new_tokens / (time.perf_counter() - t0)
         rows.append({"prompt": n, "capacity": model.caches[0].capacity, "compile_s": compile_s,
-                     "compiled": counters["stats"]["unique_graphs"] > graphs, "tok_s": tok_s})
+                     "compiled": graph_count() > graphs, "tok_s": tok_s})
     return {"rows": rows, "compiles": sum(r["compiled"] for r in rows),
-            "recompiles": sum(counters["recompiles"].values()), "compile_s": sum(r["compile_s"] for r in rows)}
+            "recompiles": dynamo_count("recompiles"), "compile_s": sum(r["compile_s"] for r in rows)}
 
 
 def bench_lengths(checkpoint: Path, policies: list[str], scope: str, settings: list[str],

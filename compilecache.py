@@ -266,3 +266,17 @@ class _quiet:
 
     def __exit__(self, *exc) -> None:
         self.logger.disabled = self.disabled
+
+
+def graph_count() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def dynamo_count(kind: str) -> int:
+    """Recompiles or graph breaks so far, all reasons together (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters[kind].values())

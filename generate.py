@@ -19,6 +19,7 @@ from torch import Tensor, nn
 import cache as kvcache
 import ragged
 import tp
+from compilecache import dynamo_count, graph_count
 from kv import kvzip
 from kv.tiers import TierSpec, flush_caches, format_tier_report, tier_report
 from model import KVFastError, Transformer
@@ -464,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
 
     timings = []
     for i in range(args.num_samples):
-        graphs_before = _graphs()
+        graphs_before = graph_count()
         for c in model.caches:
             c.reset()
         if runner is not decoder:
@@ -481,8 +482,8 @@ def main(argv: list[str] | None = None) -> None:
         _sync(args.device)
         elapsed = time.perf_counter() - t0
         tokens = torch.cat([first, new], dim=1)
-        if compiled and _graphs() > graphs_before:  # the warm-up missed a function or a guard failed
-            print(f"warning: sample {i} compiled {_graphs() - graphs_before} new graphs; its figures include "
+        if compiled and graph_count() > graphs_before:  # the warm-up missed a function or a guard failed
+            print(f"warning: sample {i} compiled {graph_count() - graphs_before} new graphs; its figures include "
                   "compile time", file=sys.stderr)
         n_new = tokens.shape[1]
         timings.append((t_prefill, (n_new - 1) / max(elapsed - t_prefill, 1e-9), n_new))
@@ -509,8 +510,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"compile mode: {decoder.mode or 'eager decode'}" + (f", scope {decoder.scope}" if decoder.scope else "")
               + (", dynamic capacity" if decoder.dynamic_capacity else "")
               + (", prefill compiled (dynamic shapes)" if args.compile_prefill else "")
-              + f"; {_graphs()} graphs, {_dynamo_count('recompiles')} recompiles, "
-              f"{_dynamo_count('graph_break')} graph breaks")
+              + f"; {graph_count()} graphs, {dynamo_count('recompiles')} recompiles, "
+              f"{dynamo_count('graph_break')} graph breaks")
     print_cache_stats(model, make_cache)
     if runner is not decoder:
         print(runner.report())
@@ -532,7 +533,7 @@ def warm_up(decoder: Decoder, idx: Tensor, args: argparse.Namespace) -> None:
     with --compile-cache, load the cache before and save it after."""
     from compilecache import CompileCache
 
-    graphs, t0 = _graphs(), time.perf_counter()  # loading the cache counts: it replaces compiling
+    graphs, t0 = graph_count(), time.perf_counter()  # loading the cache counts: it replaces compiling
     cache = CompileCache(args.compile_cache, args.device) if args.compile_cache else None
     if cache:
         cache.load()
@@ -542,22 +543,9 @@ def warm_up(decoder: Decoder, idx: Tensor, args: argparse.Namespace) -> None:
     if cache:
         cache.save()
     warm = f"{steps} decode steps" + (f", {refreshes} refreshes" if refreshes else "")
-    print(f"compile time: {elapsed:.2f} s ({_graphs() - graphs} graphs; warm-up: {warm})")
+    print(f"compile time: {elapsed:.2f} s ({graph_count() - graphs} graphs; warm-up: {warm})")
     if cache:
         print(cache.report())
-
-
-def _graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
-def _dynamo_count(kind: str) -> int:
-    """Recompiles or graph breaks so far, all reasons together (dynamo's counters)."""
-    from torch._dynamo.utils import counters
-
-    return sum(counters[kind].values())
 
 
 def print_cache_stats(model: Transformer, factory: kvcache.CacheFactory) -> None:

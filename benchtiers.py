@@ -1,0 +1,149 @@
+"""bench.py --section tiers: a tiered cache (kv.tiers) against the plain policy at the same hot budget.
+
+Compiled decode steps from caches filled as after --lengths tokens (random K/V; with tiers, a full warm store of
+random pages): the step alone, a step that recalls first, and the mean step over 256 steps as generation runs
+them (flushes, recalls, refreshes), at --recall-interval and at a recall every 32 steps; bytes moved per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+
+import cache as kvcache
+from evalcaches import tier_settings
+from generate import Decoder
+from kv.tiers import tier_report
+from model import Transformer
+
+SPARSE_RECALL = 32  # the tiers issue's schedule for the step-time target: a recall every 32 steps
+TIER_SPAN = 256  # steps of the average: recall every --recall-interval, flush every --page-size positions
+
+
+def _sync(model: Transformer) -> None:
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def tier_step_times(model: Transformer, policy: str, context_len: int, budget: float, tiers: dict | None,
+                    steps: int, repeats: int, span: int = TIER_SPAN) -> dict:
+    """Compiled decode steps with caches filled as after context_len tokens (setup_decode_benchmark: random hot
+    K/V; with tiers, a full warm store of random pages), refilled before every measurement so each starts from
+    the same state at position context_len. Sized for context_len + span + 1 tokens either way, so the plain and
+    the tiered caches have the same hot budget (slots per layer; the tiered one's recall slots inside it).
+
+    step_s: a plain decode step (the step call alone: no refresh, flush or recall timed), the mean over `steps`
+    steps; recall_s (tiers): a step that recalls first, likewise; span_s: the mean step of Decoder.decode over
+    `span` steps, everything it schedules included (refreshes; tiers: a flush every page_size positions, a
+    recall at the first step and every recall_interval positions). Each: the median over `repeats`. tiers: the
+    tier counters of the last span (kv.tiers.tier_report)."""
+    kwargs = {"budget": budget, **({"tiers": tiers} if tiers else {})}
+    factory = kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=span + 1, **kwargs)
+    torch._dynamo.reset()  # new cache buffers: start from a clean compile cache (dynamo's recompile limit)
+    decoder = Decoder(model, compile=True)
+    spec, interval = factory.tiers, decoder.refresh_interval()
+    generator = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+
+    def refill() -> None:
+        for c in model.caches:
+            c.fill_synthetic(context_len, generator)
+
+    def single(recall: bool) -> float:
+        refill()
+        step = decoder.step_recall if recall else decoder.step
+        x, pos, spent = torch.tensor([[42]], device=device), torch.tensor([context_len], device=device), 0.0
+        for i in range(steps):
+            p = context_len + i
+            if interval and p % interval == 0:
+                decoder.refresh(model)
+            if spec and p % spec.page_size == 0:
+                decoder.flush(model)
+            _sync(model)
+            t0 = time.perf_counter()
+            x, _ = step(model, x, pos, 0.0, None)
+            _sync(model)
+            spent += time.perf_counter() - t0
+            x, pos = x.clone(), pos + 1
+        return spent / steps
+
+    def whole(interval: int | None = None) -> float:
+        """The span as Decoder.decode runs it; with tiers, recalling every `interval` positions if given."""
+        if spec:
+            for c in model.caches:
+                c.tiers = dataclasses.replace(spec, recall_interval=interval or spec.recall_interval)
+        refill()
+        _sync(model)
+        t0 = time.perf_counter()
+        decoder.decode(torch.tensor([[42]], device=device), context_len, span)
+        _sync(model)
+        return (time.perf_counter() - t0) / span
+
+    out: dict = {"capacity": model.caches[0].capacity,
+                 "hot_MB": sum(c.physical_bytes() for c in model.caches) / 1e6}
+    with torch.inference_mode():
+        # compile every function first (the step; tiers: the recall step and the flush), then one untimed round
+        decoder.warm_up(torch.full((1, context_len), 42, dtype=torch.long, device=device))
+        single(False)
+        if spec:
+            single(True)
+        whole()
+        runs = [(single(False), single(True) if spec else 0.0, whole(), whole(SPARSE_RECALL) if spec else 0.0)
+                for _ in range(repeats)]
+        whole()  # the counters below: the configured schedule's
+        out.update(step_s=statistics.median(r[0] for r in runs), span_s=statistics.median(r[2] for r in runs))
+        if spec:
+            out["recall_s"] = statistics.median(r[1] for r in runs)
+            out["sparse_span_s"] = statistics.median(r[3] for r in runs)
+            report = tier_report(model.caches)  # the last span's
+            out.update(recall_slots=spec.recall_slots, tiers=report, recall_steps=report["recalls"] // report["layers"],
+                       moved_per_step=(report["hot_to_warm_bytes"] + report["warm_to_hot_bytes"]) / span,
+                       warm_MB=report["warm_bytes"] / 1e6)
+    return out
+
+
+def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
+    """Per policy and length: the plain policy and the same policy with tiers at the same hot budget."""
+    policies = args.policies or ["h2o"]
+    lengths = args.lengths or [4096]
+    tiers = tier_settings(args)
+    print(f"\ntiers: decode step time (ms), compiled, median of {args.repeats}; budget {args.budget:g} of context + "
+          f"{TIER_SPAN + 1} new tokens, the same hot slots for both (the tiered cache's recall slots among them); "
+          f"warm store {tiers['warm_tokens']:g} of the tokens at {tiers['warm_bits']:g} bits, pages of "
+          f"{tiers['page_size']:g}, a recall installing at most {tiers['recall_installs']:g} of the recall pages (hits stay). "
+          f"step: the step alone, mean of {args.steps}; recall: a step that recalls first; "
+          f"avg: the mean over {TIER_SPAN} steps as generation runs them (flushes, recalls, refreshes), recalling "
+          f"every {tiers['recall_interval']:g} positions (the setting), and every {SPARSE_RECALL} (the tiers "
+          f"issue's schedule). Ratios vs the plain policy (targets: step <= 1.05x, {TIER_SPAN}-step avg with a "
+          f"recall every {SPARSE_RECALL} <= 1.25x). Moved: hot->warm + warm->hot bytes per step over those "
+          f"{TIER_SPAN} steps at the setting (random warm pages); warm: the warm store; hot: the K/V buffers\n")
+    print(f"| policy | tokens | slots (recall) | plain step | plain avg | tiered step | recall step | "
+          f"tiered avg (every {tiers['recall_interval']:g}) | tiered avg (every {SPARSE_RECALL}) | moved KB/step | "
+          "warm MB | hot MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    results: dict = {}
+    notes = []
+    for policy in policies:
+        results[policy] = {}
+        for n in lengths:
+            base = tier_step_times(model, policy, n, args.budget, None, args.steps, args.repeats)
+            warm = tier_step_times(model, policy, n, args.budget, tiers, args.steps, args.repeats)
+            ratios = {"step": warm["step_s"] / base["step_s"], "recall": warm["recall_s"] / base["step_s"],
+                      "avg": warm["span_s"] / base["span_s"], "sparse_avg": warm["sparse_span_s"] / base["span_s"]}
+            results[policy][n] = {"plain": base, "tiered": warm, "ratios": ratios, "tier_settings": tiers}
+            print(f"| {policy} | {n} | {warm['capacity']} ({warm['recall_slots']}) | {1e3 * base['step_s']:.2f} | "
+                  f"{1e3 * base['span_s']:.2f} | {1e3 * warm['step_s']:.2f} ({ratios['step']:.2f}x) | "
+                  f"{1e3 * warm['recall_s']:.2f} ({ratios['recall']:.2f}x) | {1e3 * warm['span_s']:.2f} "
+                  f"({ratios['avg']:.2f}x) | {1e3 * warm['sparse_span_s']:.2f} ({ratios['sparse_avg']:.2f}x) | "
+                  f"{warm['moved_per_step'] / 1e3:.1f} | {warm['warm_MB']:.1f} | "
+                  f"{warm['hot_MB']:.1f} |", flush=True)
+            r = warm["tiers"]
+            notes.append(f"{policy} at {n} tokens, over {TIER_SPAN} steps: {r['flushed_pages']} pages flushed, "
+                         f"{warm['recall_steps']} recall steps, {r['recall_hits']} page hits, {r['recall_misses']} "
+                         f"misses, {r['cold_pages']} pages dropped cold (summed over layers and KV heads)")
+    print("\n" + "\n".join(notes))
+    return results
