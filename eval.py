@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"tasks to run: {', '.join(TASK_NAMES)} (niah = its three variants)")
     p.add_argument("--policies", nargs="+", default=["full", "window", "h2o", "scissorhands", "snapkv"],
                    help=f"cache policies: {', '.join(kvcache.POLICIES)}; full is always the reference; POLICY+warm: "
-                        "the same policy with tiers (kv.tiers) on, e.g. h2o+warm (not full nor the pool policies); "
+                        "the same policy with tiers (kv.tiers) on, e.g. h2o+warm or hybrid+warm (not full, adakv or kvzip); "
                         "POLICY+shift: with --pos-shift, e.g. window+shift")
     p.add_argument("--pos-shift", action="store_true",
                    help="every policy but full as POLICY+shift (StreamingLLM's positions): a ppl window may then "
@@ -175,7 +175,7 @@ def check_args(args: argparse.Namespace) -> None:
         if policy not in kvcache.POLICIES:
             raise KVFastError(f"unknown cache policy {name!r} (choose from {', '.join(kvcache.POLICIES)}, each "
                               "optionally +warm or +shift)")
-        if warm or shift:  # full and the pool policies have no tiers: cache.py's one-line reason
+        if warm or shift:  # full, adakv and kvzip have no tiers: cache.py's one-line reason
             try:
                 kvcache.CacheSpec(policy, tiers={"warm_tokens": 1.0} if warm else {}, pos_shift=shift).resolve()
             except KVFastError as e:

@@ -300,8 +300,9 @@ class Evaluator:
         one refresh interval (the decode loop refreshes every member at that interval); tiered combos (+warm)
         last, each alone (the decode loop flushes and recalls the caches it runs; MultiCache does neither), as are
         POLICY+shift combos (MultiCache's shared K/V would need every member's ranks)."""
-        pool = [c for c in combos if not c.is_full and issubclass(kvcache.POLICIES[c.policy], PoolCache)]
         tiered = [c for c in combos if c.tiers is not None or c.pos_shift]
+        pool = [c for c in combos if not c.is_full and issubclass(kvcache.POLICIES[c.policy], PoolCache)
+                and c not in tiered]
         out = [[c] for c in combos if c.is_full] + [[c] for c in pool]
         combos = [c for c in combos if c not in pool and c not in tiered]
         a = self.model.args

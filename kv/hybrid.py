@@ -34,8 +34,11 @@ window, recent_window - 1) prompt tokens. Static heads fill the rest with the pr
 (default SnapKV) and while decoding evict their lowest accumulated attention (H2O-like; the prior of a prompt
 token is its observation-window attention, decode attention is added every step, new tokens start at 0 and the
 recent window (32) protects them meanwhile). Dynamic heads keep the most recent tokens and evict their oldest
-unprotected one (StreamingLLM-like). The paper's chunk retrieval for dynamic heads needs the warm tier, which
-does not exist yet: dynamic heads keep sinks + a recent window only.
+unprotected one (StreamingLLM-like). The paper's chunk retrieval is the warm tier (kv.tiers, `--warm-tokens`):
+every head demotes what it evicts to its warm pages and recalls Quest's top pages into its own recall slots, which
+the pool keeps after the policy's slots (R per KV head, taken from the budget: P stays H_kv x B). Deviation: the
+paper retrieves for dynamic heads only; here static heads recall too (their recall slots would otherwise sit
+empty, and a head whose heavy hitters miss a needle gets it back the same way).
 
 Decode (compiled, static shapes): the new token's key of KV head h replaces the lowest-scored unprotected slot
 of head h itself (empty slots first), so budgets never move; one argmin over [B, H_kv, P] per step.
@@ -101,6 +104,7 @@ class HybridCache(PoolCache):
 
     name = "hybrid"
     needs_attention = True
+    supports_tiers = True  # each head evicts one of its own slots per step
     params: ClassVar[dict[str, Any]] = {"n_sinks": 4, "recent_window": 32, "obs_window": 32,
                                         "gqa_reduce": "mean", "static_threshold": None, "static_ratio": 0.7,
                                         "static_share": None}
@@ -110,7 +114,7 @@ class HybridCache(PoolCache):
         B, H = self.batch_size, self.n_kv_heads
         self.add_state("score", (B, self.pool_size))
         self.add_state("static", (B, H), torch.bool)
-        self.add_state("budget", (B, H), torch.long, fill=self.capacity)
+        self.add_state("budget", (B, H), torch.long, fill=self.policy_capacity)
         self.add_state("concentration", (B, H), torch.float64)
 
     @property
@@ -118,7 +122,7 @@ class HybridCache(PoolCache):
         """Slots every head keeps whatever the split: its sinks, the prompt's protected tail and the recent
         window (capped at B, where the factory let a budget through that holds less: then no split)."""
         window = self.compressor.window if self.compressor is not None else 0
-        return min(self.n_sinks + max(window, self.recent_window), self.capacity)
+        return min(self.n_sinks + max(window, self.recent_window), self.policy_capacity)
 
     # ---- prefill -------------------------------------------------------------------------------------
     def votes(self, q: Tensor, k: Tensor, memo: dict) -> Tensor:
@@ -130,12 +134,12 @@ class HybridCache(PoolCache):
         """Set concentration, static and budget per (row, KV head) for this prompt."""
         S = k.shape[2]
         w = min(self.obs_window, S)
-        c = head_concentration(self.votes(q, k, memo), w, max(self.capacity - w, 0))
+        C = self.policy_capacity
+        c = head_concentration(self.votes(q, k, memo), w, max(C - w, 0))
         static = classify_heads(c, self.static_threshold, self.static_ratio)
         self.concentration.copy_(c)
         self.static.copy_(static)
-        self.budget.copy_(hybrid_budgets(static, self.capacity, self.head_floor, self.static_share,
-                                         max(S, self.capacity)))
+        self.budget.copy_(hybrid_budgets(static, C, self.head_floor, self.static_share, max(S, C)))
 
     def select_pairs(self, q: Tensor, k: Tensor, v: Tensor, memo: dict) -> tuple[Tensor, Tensor]:
         B, H, S, _ = k.shape
@@ -159,13 +163,16 @@ class HybridCache(PoolCache):
         self.score.copy_(seeded.masked_fill(self.slot_pos < 0, 0.0))
 
     # ---- decode --------------------------------------------------------------------------------------
-    def choose_slots(self, input_pos: Tensor) -> Tensor:
-        """[B, H_kv]: KV head h's lowest-scored slot among its own (empty first, protected last)."""
+    def choose_slot(self, input_pos: Tensor) -> Tensor:
+        """[B, H_kv]: KV head h's lowest-scored slot among its own (empty first, protected last; never a recall
+        slot of the tiers)."""
         pos = self.slot_pos
         valid = pos >= 0
         protected = valid & (self.is_sink(pos) | (pos > input_pos - self.recent_window))
         score = self.slot_scores(input_pos).masked_fill(protected, PROTECTED).masked_fill(~valid, -INF)
         own = self.slot_head.unsqueeze(1) == self.head_ids.view(1, -1, 1)  # [B, H_kv, P]
+        if self.recall_slots:
+            own = own & (torch.arange(self.pool_size, device=own.device) < self.policy_pool)
         return score.unsqueeze(1).masked_fill(~own, INF).argmin(-1)
 
     def slot_scores(self, input_pos: Tensor) -> Tensor:

@@ -17,6 +17,11 @@ slot_head == h. Prefill: when the prompt exceeds B tokens per head the policy's 
 
 A policy on the pool defines select_pairs, slot_scores and the statistics hooks (on_insert, observe,
 prefill_state), like a uniform policy does (kv.slots).
+
+Tiers (kv.tiers) on the pool: the last H_kv x R slots are the recall slots, R per KV head in head order and owned
+by it for good; the policy manages the first H_kv x (B - R) (`policy_pool`). Tiers stage one victim per KV head
+and step, so only a policy whose heads evict their own slots has them (hybrid: `supports_tiers`); Ada-KV's
+victims move between heads.
 """
 
 from __future__ import annotations
@@ -33,14 +38,30 @@ class PoolCache(KVCache):
     """The pool mechanics shared by per-head-budget policies (a layout, no paper: see the module doc)."""
 
     supports_pos_shift = False  # heads hold different counts, so a query would need a rank per KV head: not built
+    supports_tiers = False  # a step's H_kv victims may belong to any heads; tiers stage one per head (hybrid does)
 
     def allocate(self, slots: tuple[int, ...]) -> None:
         B, H, C = slots
         self.pool_size = H * C
         super().allocate((B, self.pool_size))
-        home = (torch.arange(self.pool_size) // C).expand(B, -1).to(self.device)
-        self.register_buffer("slot_head", home.clone(), persistent=False)
         self.register_buffer("head_ids", torch.arange(H, device=self.device), persistent=False)
+        self.register_buffer("slot_head", self.home_heads().expand(B, -1).clone(), persistent=False)
+
+    @property
+    def policy_capacity(self) -> int:
+        """The policy's slots per KV head on average: the budget less the tiers' recall slots."""
+        return self.capacity - self.recall_slots
+
+    @property
+    def policy_pool(self) -> int:
+        """Pool slots the policy manages (the first ones); each KV head's R recall slots follow, head by head."""
+        return self.n_kv_heads * self.policy_capacity
+
+    def home_heads(self) -> Tensor:
+        """[P] owner of each slot after reset(): the even split of the policy's slots, then the recall slots."""
+        C, R = self.policy_capacity, self.recall_slots
+        policy = torch.arange(self.policy_pool, device=self.device) // C
+        return torch.cat([policy, torch.arange(self.n_kv_heads * R, device=self.device) // max(R, 1)])
 
     @property
     def head_floor(self) -> int:
@@ -72,12 +93,12 @@ class PoolCache(KVCache):
 
     def home_slots(self, n: int) -> Tensor:
         """[H_kv * n] slots of the first n tokens of each head in the even split (head-major)."""
-        H, C = self.n_kv_heads, self.capacity
+        H, C = self.n_kv_heads, self.policy_capacity
         return ((self.head_ids * C).view(H, 1) + torch.arange(n, device=self.device)).flatten()
 
     def reset(self) -> None:
         super().reset()
-        self.slot_head.copy_(torch.arange(self.pool_size, device=self.device) // self.capacity)
+        self.slot_head.copy_(self.home_heads().expand_as(self.slot_head))
 
     def owned(self) -> Tensor:
         """[B, H_kv, P] bool: slot p holds a token of KV head h."""
@@ -101,20 +122,22 @@ class PoolCache(KVCache):
             flat = torch.arange(H * S, device=k.device)
             # the kept pairs in (head, position) order: dropped ones sort behind every kept one
             index = torch.where(keep.reshape(B, H * S), flat, flat + H * S).sort(dim=-1).values
-            index = index[:, : self.pool_size]
+            n = self.policy_pool
+            index = index[:, :n]
             if int(index.max()) >= H * S:
-                raise AssertionError(f"{self.name}: select_pairs kept fewer than {self.pool_size} pairs")
-            rows = index.unsqueeze(-1).expand(B, self.pool_size, D)
+                raise AssertionError(f"{self.name}: select_pairs kept fewer than {n} pairs")
+            rows = index.unsqueeze(-1).expand(B, n, D)
             pairs = [x.reshape(B, H * S, D).gather(1, rows) for x in (k, v)]
             self.write_slots(None, *pairs)
-            self.slot_pos.copy_(index % S)
-            self.slot_head.copy_(index // S)
-            prior = scores.reshape(B, H * S).gather(1, index)
+            self.slot_pos[:, :n] = index % S
+            self.slot_head[:, :n] = index // S
+            prior = torch.zeros(B, self.pool_size, dtype=scores.dtype, device=k.device)
+            prior[:, :n] = scores.reshape(B, H * S).gather(1, index)
         self.seen.fill_(S)
         self.prefill_state(q, k, prior, memo)
 
     def select_pairs(self, q: Tensor, k: Tensor, v: Tensor, memo: dict) -> tuple[Tensor, Tensor]:
-        """(keep [B, H_kv, S] bool with exactly P True per row, scores [B, H_kv, S] the policy's prior for the
+        """(keep [B, H_kv, S] bool with exactly policy_pool True per row, scores [B, H_kv, S] the policy's prior for the
         kept pairs). Called only when the prompt exceeds `prompt_capacity` tokens per head."""
         raise NotImplementedError
 
@@ -125,7 +148,10 @@ class PoolCache(KVCache):
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Write one token's H_kv keys ([B, H_kv, 1, D]) into the victims; return the pool and the mask
         [B, H_kv, 1, P] of each KV head's slots."""
-        slot = self.choose_slots(input_pos)  # [B, H_kv]: slot of KV head h's new key
+        return self.insert(self.choose_slot(input_pos), input_pos, k, v)
+
+    def insert(self, slot: Tensor, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """update() after the choice: KV head h's new key into slot[:, h] (kv.tiers demotes its old token first)."""
         B, H = slot.shape
         self.write_slots(slot, k[:, :, 0], v[:, :, 0])
         self.slot_pos.scatter_(1, slot, input_pos.view(1, 1).expand(B, H))
@@ -134,7 +160,7 @@ class PoolCache(KVCache):
         self.on_insert(slot, k, input_pos)
         return *self.keys_values(), self.owned().unsqueeze(2)
 
-    def choose_slots(self, input_pos: Tensor) -> Tensor:
+    def choose_slot(self, input_pos: Tensor) -> Tensor:
         """H_kv victims per row, the lowest-scored first, each head giving up at most (owned + 1 - floor).
 
         Each pick is a lexicographic argmin over (tier, score): tier 0 = empty or evictable within the head's
@@ -170,6 +196,26 @@ class PoolCache(KVCache):
 
     def observe(self, probs: Tensor) -> None:
         """probs: [B, H_kv, g, 1, P] attention of the new query heads over the pool (0 outside own slots)."""
+
+    # ---- where kv.tiers finds things in the pool (see KVCache's versions) ---------------------------------
+    def holds(self, S: int) -> Tensor:
+        B, H = self.batch_size, self.n_kv_heads
+        flat = torch.where(self.slot_pos >= 0, self.slot_head * S + self.slot_pos, H * S)
+        held = torch.zeros(B, H * S + 1, dtype=torch.bool, device=flat.device).scatter_(1, flat, True)
+        return held[:, : H * S].view(B, H, S)
+
+    def take_slots(self, buffer: Tensor, slot: Tensor) -> Tensor:
+        """Rows of a pool-shaped buffer ([B, P, *row]) at slot [B, H_kv]: [B, H_kv, 1, *row]."""
+        B, H = slot.shape
+        index = slot.view(B, H, *(1,) * (buffer.dim() - 2))
+        return buffer.gather(1, index.expand(B, H, *buffer.shape[2:])).unsqueeze(2)
+
+    def recall_positions(self) -> Tensor:
+        return self.slot_pos[:, self.policy_pool :].view(self.batch_size, self.n_kv_heads, self.recall_slots)
+
+    def put_recall(self, buffer: Tensor, index: Tensor, value: Tensor) -> None:
+        first = self.policy_pool + self.head_ids.view(1, -1, 1) * self.recall_slots  # KV head h's recall slots
+        put_rows(buffer, (first + index).flatten(1), value.flatten(1, 2))
 
     # ---- eval's attention-loss probe -------------------------------------------------------------------
     def restrict(self, probs: Tensor) -> Tensor:
@@ -265,13 +311,13 @@ class AdaKVCache(PoolCache):
     @property
     def base_capacity(self) -> int:
         """Ada-KV's B': the selected (not protected) slots per head on average."""
-        return self.capacity - self.n_sinks - self.protected_prompt()
+        return self.policy_capacity - self.n_sinks - self.protected_prompt()
 
     @property
     def head_floor(self) -> int:
         protected = self.n_sinks + self.protected_prompt()
         # a budget that holds less than the prompt's protected tokens (a prompt that fits) caps it at B
-        return min(protected + int(self.adakv_floor * max(self.base_capacity, 0)), self.capacity)
+        return min(protected + int(self.adakv_floor * max(self.base_capacity, 0)), self.policy_capacity)
 
     def select_pairs(self, q: Tensor, k: Tensor, v: Tensor, memo: dict) -> tuple[Tensor, Tensor]:
         B, H, S, _ = k.shape
@@ -279,7 +325,7 @@ class AdaKVCache(PoolCache):
         pos = torch.arange(S, device=k.device)
         protected = (pos < self.n_sinks) | (pos >= S - self.protected_prompt())
         candidates = scores[..., ~protected]  # [B, H, n]
-        base = self.capacity - int(protected.sum())
+        base = self.policy_capacity - int(protected.sum())
         budgets, factor = adakv_budgets(candidates, base, self.adakv_floor, self.adakv_normalize)
         order = candidates.sort(dim=-1, descending=True, stable=True).indices
         n = candidates.shape[-1]

@@ -350,6 +350,30 @@ class KVCache(nn.Module):
     def recall(self, q: Tensor) -> None:
         """Bring back evicted tokens for the current query q [B, H, 1, D] before update() (kv.tiers; none here)."""
 
+    # ---- where kv.tiers finds things in this layout (the pool, kv.pool, has its own) ---------------------------
+    # False where the policy's victims are not one slot of each KV head per step (tiers stage one per head)
+    supports_tiers: ClassVar[bool] = True
+
+    def holds(self, S: int) -> Tensor:
+        """[B, H_kv, S] bool: prompt position p of KV head h is in one of its slots."""
+        pos = self.slot_pos
+        held = torch.zeros(*pos.shape[:2], S + 1, dtype=torch.bool, device=pos.device)
+        return held.scatter_(2, torch.where(pos >= 0, pos, S), True)[..., :S]
+
+    def take_slots(self, buffer: Tensor, slot: Tensor) -> Tensor:
+        """Rows of a slot-shaped buffer ([B, H_kv, C, *row]) at slot [B, H_kv], one per KV head: [B, H_kv, 1, *row]."""
+        B, H = slot.shape
+        index = slot.view(B, H, 1, *(1,) * (buffer.dim() - 3))
+        return buffer.gather(2, index.expand(B, H, 1, *buffer.shape[3:]))
+
+    def recall_positions(self) -> Tensor:
+        """slot_pos of the tiers' recall slots, [B, H_kv, R] (a view: the last R slots of each KV head)."""
+        return self.slot_pos[..., self.capacity - self.recall_slots :]
+
+    def put_recall(self, buffer: Tensor, index: Tensor, value: Tensor) -> None:
+        """Write value [B, H_kv, n, *row] into recall slots `index` [B, H_kv, n] (0 .. R - 1) of a slot-shaped buffer."""
+        put_rows(buffer, self.capacity - self.recall_slots + index, value)
+
     # ---- ragged batches (ragged.py) ----------------------------------------------------------------------
     def load_row(self, row: int, single: KVCache, offset: int) -> None:
         """Copy a one-row cache of the same policy and capacity, holding K/V in full precision (a prompt prefilled

@@ -141,10 +141,11 @@ class Tiers:
     supports_pos_shift = False  # recalled pages would need ranks among the hot tokens: not built
 
     def __init__(self, *args, tiers: TierSpec, **kwargs):
+        self.recall_slots = tiers.recall_slots  # before the layout is allocated: the pool places them (kv.pool)
         super().__init__(*args, **kwargs)
         self.tiers = tiers
         self.page_size, self.warm_bits = tiers.page_size, tiers.warm_bits
-        self.recall_slots, self.recall_pages = tiers.recall_slots, tiers.recall_pages
+        self.recall_pages = tiers.recall_pages
         self.warm_group = self.kv_group_size or self.head_dim
         self.key_channels = not self.kv_bits  # keys quantized per channel over a page (else the hot codes)
         B, H, P, NP, D = self.batch_size, self.n_kv_heads, tiers.page_size, tiers.warm_pages, self.head_dim
@@ -221,34 +222,35 @@ class Tiers:
         super().prefill(q, k, v, memo)
         self.reset_tiers()
         B, H, S, D = k.shape
-        n = min(S, self.prompt_capacity)
-        if S == n:
+        dropped = ~self.holds(S)  # heads of a pool may drop different numbers of tokens
+        most = int(dropped.sum(-1).max())
+        if most == 0:
             return
-        dropped = torch.ones(B, H, S, dtype=torch.bool, device=k.device).scatter_(2, self.slot_pos[..., :n], False)
         order = torch.arange(S, device=k.device).expand(B, H, S)
-        drop = torch.where(dropped, order, order + S).sort(dim=-1).values[..., : S - n]  # [B, H, S - n]
+        last = torch.where(dropped, order + S, order).sort(dim=-1).values[..., S - most :]  # dropped ones last
         P, NP = self.page_size, self.tiers.warm_pages
-        pages = math.ceil((S - n) / P)
-        pad = pages * P - (S - n)
-        pos = torch.cat([drop, drop.new_full((B, H, pad), -1)], dim=-1)
+        pages = math.ceil(most / P)
+        # each head's dropped tokens in position order, ending at the last page (empty entries before them)
+        pos = torch.cat([last.new_zeros(B, H, pages * P - most), last], dim=-1)  # 0 < S: empty
+        pos = torch.where(pos >= S, pos - S, -1)
         cold = max(pages - NP, 0)  # the oldest pages do not fit the ring: straight to cold
         kept = pages - cold
-        pos = pos[:, :, cold * P :]
+        lost, pos = pos[:, :, : cold * P].unflatten(2, (cold, P)), pos[:, :, cold * P :]
         index = pos.clamp(min=0).unsqueeze(-1).expand(B, H, kept * P, D)
         pos = pos.unflatten(2, (kept, P))
         parts = self.quantize_pages(k.gather(2, index).unflatten(2, (kept, P)),
                                     v.gather(2, index).unflatten(2, (kept, P)), pos)
-        self.count("demoted_tokens", B * H * (S - n))
+        self.count("demoted_tokens", dropped.sum())
         if cold:
-            self.count("cold_pages", B * H * cold)
-            self.count("cold_tokens", B * H * cold * P)
+            self.count("cold_pages", (lost >= 0).any(-1).sum())
+            self.count("cold_tokens", (lost >= 0).sum())
         for name, value in zip(WARM_PARTS, parts):
             getattr(self, f"warm_{name}")[:, :, :kept] = value
         self.page_pos[:, :, :kept] = pos
         if not self.key_channels:
             self.page_kmin[:, :, :kept], self.page_kmax[:, :, :kept] = self.key_bounds(parts[:3], pos)
         self.page_ptr.fill_(kept % NP)
-        self.count("prompt_pages", B * H * kept)
+        self.count("prompt_pages", (pos >= 0).any(-1).sum())
 
     def key_bounds(self, key_parts: list[Tensor], pos: Tensor) -> tuple[Tensor, Tensor]:
         """Per page, the min and max over its tokens of each channel of the keys as recall will install them
@@ -270,14 +272,11 @@ class Tiers:
         position, not from a count of victims, so staging is three copies and no bookkeeping; flush() runs every
         P positions (generate.Decoder does), before a column comes round again."""
         B, H = slot.shape
-        at = slot.view(B, H, 1)
-        victim = self.slot_pos.gather(2, at)
+        victim = self.take_slots(self.slot_pos, slot)  # [B, H, 1]
         column = (input_pos.view(1, 1, 1) % self.page_size).expand(B, H, 1)
         for name in self.kv_buffers():
             hot, stage = getattr(self, name), getattr(self, f"stage_{name}")
-            width = hot.shape[-1]
-            stage.scatter_(2, column.unsqueeze(-1).expand(B, H, 1, width),
-                           hot.gather(2, at.unsqueeze(-1).expand(B, H, 1, width)))
+            stage.scatter_(2, column.unsqueeze(-1).expand(B, H, 1, hot.shape[-1]), self.take_slots(hot, slot))
         self.stage_pos.scatter_(2, column, victim)
 
     def staged(self) -> Tensor:
@@ -314,8 +313,7 @@ class Tiers:
         if self.recall_pages:
             stale = (self.recall_page == ptr.unsqueeze(-1)) & has.unsqueeze(-1)
             self.recall_page.masked_fill_(stale, -1)
-            region = self.slot_pos[..., -self.recall_slots :].unflatten(2, (self.recall_pages, P))
-            self.slot_pos[..., -self.recall_slots :] = region.masked_fill(stale.unsqueeze(-1), -1).flatten(2)
+            self.recall_positions().unflatten(2, (self.recall_pages, P)).masked_fill_(stale.unsqueeze(-1), -1)
         self.page_ptr.copy_(torch.where(has, (ptr + 1) % self.tiers.warm_pages, ptr))
 
     # ---- decode: recall ------------------------------------------------------------------------------------
@@ -367,12 +365,11 @@ class Tiers:
         for name in WARM_PARTS:
             buffer = getattr(self, f"warm_{name}")
             warm.append(buffer.gather(2, at.view(B, H, M, 1, 1).expand(B, H, M, *buffer.shape[3:])))
-        first = self.capacity - self.recall_slots
-        slots = (first + slot.unsqueeze(-1) * P + torch.arange(P, device=slot.device)).flatten(2)  # [B, H, M P]
+        slots = (slot.unsqueeze(-1) * P + torch.arange(P, device=slot.device)).flatten(2)  # [B, H, M P] of 0 .. R - 1
         for name, value in zip(self.kv_buffers(), self.hot_parts(warm)):
-            put_rows(getattr(self, name), slots, value.flatten(2, 3))
+            self.put_recall(getattr(self, name), slots, value.flatten(2, 3))
         pos = self.page_pos.gather(2, at.unsqueeze(-1).expand(B, H, M, P)).masked_fill((pages < 0).unsqueeze(-1), -1)
-        put_rows(self.slot_pos.unsqueeze(-1), slots, pos.flatten(2).unsqueeze(-1))
+        self.put_recall(self.slot_pos.unsqueeze(-1), slots, pos.flatten(2).unsqueeze(-1))
         put_rows(self.recall_page.unsqueeze(-1), slot, pages.unsqueeze(-1))
 
     def synthetic_state(self, generator: torch.Generator | None) -> None:
@@ -396,7 +393,7 @@ class Tiers:
     # ---- reporting (read once at the end) ------------------------------------------------------------------
     def kept(self) -> Tensor:
         """Tokens the policy holds (valid slots outside the recall slots: those are copies of warm pages)."""
-        return (self.slot_pos[..., : self.capacity - self.recall_slots] >= 0).sum(-1)
+        return super().kept() - (self.recall_positions() >= 0).sum(-1)
 
     def warm_bytes(self) -> int:
         """Bytes of the warm store (codes, scales, zero points): its pages x page bytes."""
@@ -411,7 +408,7 @@ class Tiers:
         staged = self.staged()  # not flushed yet: demoted all the same
         counts["demoted_tokens"] += int(staged.sum())
         counts["hot_tokens"] = int(self.kept().sum())
-        counts["recalled_tokens"] = int((self.slot_pos[..., self.capacity - self.recall_slots :] >= 0).sum())
+        counts["recalled_tokens"] = int((self.recall_positions() >= 0).sum())
         counts["warm_tokens"] = int((self.page_pos >= 0).sum() + staged.sum())
         page = self.page_bytes()
         counts["hot_to_warm_bytes"] = (counts["flushed_pages"] + counts["prompt_pages"]) * page
@@ -499,12 +496,12 @@ def add_tier_args(parser, title: str = "KV tiers (demote evicted tokens to a qua
 
 
 def check_tiers_for(policy: type[KVCache]) -> None:
-    """Tiers keep what a policy evicts from the uniform slot layout."""
+    """Tiers keep what a policy evicts, one victim per KV head and step (the uniform layout, hybrid's pool)."""
     from kv.policies import FullCache
-    from kv.pool import PoolCache
 
     if policy is FullCache:
         raise KVFastError("tier flags (--warm-tokens, ...) are not used by --cache full: it never evicts")
-    if issubclass(policy, PoolCache):
-        raise KVFastError(f"tiers work on the uniform slot layout; {policy.name} uses the per-head pool (kv.pool) "
-                          "and has no tiers yet")
+    if not policy.supports_tiers:
+        raise KVFastError(f"tier flags (--warm-tokens, ...) do not apply to --cache {policy.name}: its pool moves "
+                          "slots between KV heads as it evicts, and tiers keep one victim per head and step "
+                          "(hybrid's heads keep their own budgets: --cache hybrid has tiers)")

@@ -113,11 +113,25 @@ def test_combo_labels_round_trip():
     assert dict(c.tiers) == {**TIER_DEFAULTS, "warm_bits": 8, "recall_slots": 32}
 
 
+def test_hybrid_warm_combo_demotes_and_recalls_on_the_pool(text_file, tmp_path):
+    """hybrid+warm: the pool policy with tiers decodes alone (a pool group and a tiered one at once), demotes what
+    each head evicts and recalls pages into each KV head's recall slots."""
+    records = run_eval(text_file, tmp_path / "out", "--tasks", "passkey", "--budgets", "0.4", "--lengths", "600",
+                       "--samples", "2", "--recent-window", "8", "--n-sinks", "2", "--page-size", "8",
+                       "--recall-slots", "16", "--policies", "hybrid", "hybrid+warm", model=tiny_model(2))
+    warm = [r for r in records if r["policy"].startswith("hybrid+warm")]
+    assert len(warm) == 2 and len([r for r in records if r["policy"] == "hybrid"]) == 2
+    for r in warm:
+        c = r["tier_counters"]
+        assert c["prompt_pages"] > 0 and c["recalls"] > 0 and c["recall_misses"] > 0
+        assert c["warm_to_hot_bytes"] == pytest.approx(c["recall_misses"] * PAGE_BYTES)
+        assert 0 < c["recalled_tokens"] <= 16 * c["rows_heads_layers"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--policies", "full+warm"], "--policies full\\+warm: tier flags .* full: it never evicts"),
-    (["--policies", "h2o", "adakv+warm"], "--policies adakv\\+warm: tiers work on the uniform slot layout"),
-    (["--policies", "kvzip+warm"], "--policies kvzip\\+warm: tiers work"),
-    (["--policies", "hybrid+warm"], "--policies hybrid\\+warm: tiers work"),
+    (["--policies", "h2o", "adakv+warm"], "--policies adakv\\+warm: tier flags .* moves slots between KV heads"),
+    (["--policies", "kvzip+warm"], "--policies kvzip\\+warm: tier flags .* do not apply"),
     (["--policies", "h2o+cold"], "unknown cache policy 'h2o\\+cold'"),
     (["--policies", "h2o+warm", "--warm-bits", "3"], "--warm-bits must be 8 or 4"),
     (["--policies", "h2o+warm", "--page-size", "0"], "--page-size must be a whole number >= 1"),

@@ -33,7 +33,17 @@ POLICY_PARAMS = {
     "knorm": {"recent_window": 2},
     "random": {"n_sinks": 1, "recent_window": 2},
     "snapkv": {"obs_window": 3},
+    "hybrid": {"n_sinks": 1, "recent_window": 3, "obs_window": 3},  # the pool (kv.pool): its own budget per head
 }
+
+
+def managed_positions(c) -> list[list[list[int]]]:
+    """Per (row, KV head), the positions in the policy's slots (not the recall slots), either layout."""
+    if c.slot_pos.dim() == 3:
+        return [[[p for p in h.tolist() if p >= 0] for h in row] for row in c.slot_pos[..., : c.capacity - c.recall_slots]]
+    pos, head = c.slot_pos[:, : c.policy_pool], c.slot_head[:, : c.policy_pool]
+    return [[[p for p, o in zip(pos[b].tolist(), head[b].tolist()) if p >= 0 and o == h] for h in range(H_KV)]
+            for b in range(B)]
 
 
 def tier_cache(policy: str, S: int, steps: int, budget: int, *, page: int = 4, recall: int = 8,
@@ -63,11 +73,10 @@ class Driver:
         q = torch.randn(B, H_KV * G, S, D, generator=self.gen)
         cache.reset()
         cache.prefill(q, self.k[:, :, :S], self.v[:, :, :S])
-        self.demoted += B * H_KV * (S - min(S, cache.prompt_capacity))
+        self.demoted += sum(S - len(h) for row in self.hot() for h in row)
 
     def hot(self) -> list[list[set[int]]]:
-        managed = self.cache.slot_pos[..., : self.cache.capacity - self.cache.recall_slots]
-        return [[{p for p in h.tolist() if p >= 0} for h in row] for row in managed]
+        return [[set(h) for h in row] for row in managed_positions(self.cache)]
 
     def step(self, recall: bool) -> None:
         c, t = self.cache, self.t
@@ -122,7 +131,7 @@ class Driver:
                 for j, i in zip(free, misses):
                     expected[j] = i
                 assert c.recall_page[b, h].tolist() == expected
-                slots = c.slot_pos[b, h, c.capacity - c.recall_slots :].view(K, P)
+                slots = c.recall_positions()[b, h].view(K, P)
                 for j, i in enumerate(expected):
                     want = c.page_pos[b, h, i].tolist() if i >= 0 else [-1] * P
                     assert slots[j].tolist() == want
@@ -144,14 +153,14 @@ class Driver:
         lost = 0
         for b in range(B):
             for h in range(H_KV):
-                managed = [p for p in c.slot_pos[b, h, : c.capacity - c.recall_slots].tolist() if p >= 0]
+                managed = managed_positions(c)[b][h]
                 assert len(managed) == len(set(managed)), "a position twice in the hot slots"
                 warm = [p for p in c.page_pos[b, h].flatten().tolist() if p >= 0]
                 warm += [p for p in c.stage_pos[b, h].tolist() if p >= 0]
                 assert len(warm) == len(set(warm)), "a position twice in the warm tier"
                 assert not hot[b][h] & set(warm), "a token both hot and warm"
                 assert hot[b][h] | set(warm) <= set(range(self.t))
-                recalled = {p for p in c.slot_pos[b, h, c.capacity - c.recall_slots :].tolist() if p >= 0}
+                recalled = {p for p in c.recall_positions()[b, h].tolist() if p >= 0}
                 assert recalled <= set(warm) - set(c.stage_pos[b, h].tolist()), "recalled a token not in a page"
                 lost += self.t - len(hot[b][h]) - len(warm)
         assert lost == tier_report([c])["cold_tokens"]
@@ -241,7 +250,7 @@ def test_no_recall_slots_decode_exactly_like_the_plain_policy():
     """Demotion alone never changes what the policy keeps or what attention sees."""
     model = tiny_model()
     prompt = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(0))
-    for policy in ("h2o", "scissorhands", "window"):
+    for policy in ("h2o", "scissorhands", "window", "hybrid"):
         params = {k: v for k, v in POLICY_PARAMS[policy].items()}
         plain = make_cache_factory(policy, 2, model.args, 30, 40, budget=16, **params)
         model.setup_caches(plain)
@@ -253,7 +262,8 @@ def test_no_recall_slots_decode_exactly_like_the_plain_policy():
         assert tier_report(model.caches)["warm_tokens"] > 0
 
 
-def test_compiled_matches_eager_tokens_and_counters_without_recompiling():
+@pytest.mark.parametrize("policy", ["scissorhands", "hybrid"])
+def test_compiled_matches_eager_tokens_and_counters_without_recompiling(policy):
     """1,000 steps with recalls, flushes, refreshes and pages going cold, then a shorter prompt on the same
     caches: compiled tokens and counters equal eager ones, and nothing compiles after the first steps."""
     from torch._dynamo.utils import counters
@@ -261,8 +271,8 @@ def test_compiled_matches_eager_tokens_and_counters_without_recompiling():
     torch._dynamo.reset()
     model = tiny_model()
     tiers = {"warm_tokens": 0.5, "page_size": 4, "recall_slots": 8, "recall_interval": 8}
-    model.setup_caches(make_cache_factory("scissorhands", 2, model.args, 20, 1001, budget=24, tiers=tiers,
-                                          **POLICY_PARAMS["scissorhands"]))
+    model.setup_caches(make_cache_factory(policy, 2, model.args, 20, 1001, budget=24, tiers=tiers,
+                                          **POLICY_PARAMS[policy]))
     decoder = Decoder(model, compile=True)
     graphs = {}
 
@@ -298,8 +308,9 @@ def test_bad_tier_flags(tiers, kwargs, message):
                            **kwargs)
 
 
-@pytest.mark.parametrize("policy, message", [("full", "not used by --cache full"), ("adakv", "per-head pool")])
-def test_tiers_need_an_evicting_uniform_policy(policy, message):
+@pytest.mark.parametrize("policy, message", [("full", "not used by --cache full"),
+                                             ("adakv", "moves slots between KV heads"), ("kvzip", "do not apply")])
+def test_tiers_need_one_victim_per_head(policy, message):
     with pytest.raises(KVFastError, match=message):
         make_cache_factory(policy, 1, tiny_args(), 40, 20, budget=None if policy == "full" else 24,
                            tiers={"warm_tokens": 1.0})
