@@ -348,3 +348,16 @@ def test_tova_keeps_one_set_per_layer_beside_per_head_recalls():
         assert torch.equal(own, own[:, :1].expand_as(own)), f"KV heads' kept sets differ after step {i}"
     recalled = cache.slot_pos[..., managed:]
     assert (recalled >= 0).any() and not torch.equal(recalled[:, 0], recalled[:, 1])  # the heads did differ
+
+
+@pytest.mark.parametrize("policy", ["h2o", "hybrid"])
+def test_hot_bytes_are_the_budgets_and_warm_bytes_are_apart(policy):
+    """Tiers take their recall slots out of the budget: the hot K/V buffers are the plain policy's bytes (the pool's
+    P = H_kv x budget slots included); the warm store is counted on its own."""
+    args = tiny_args(n_heads=H_KV * G, n_kv_heads=H_KV, head_dim=D)
+    plain = make_cache_factory(policy, B, args, 40, 20, budget=24, **POLICY_PARAMS[policy])(0)
+    tiered = tier_cache(policy, 40, 20, 24, page=4, recall=8)
+    assert tiered.physical_bytes() == plain.physical_bytes() == B * H_KV * 24 * 2 * D * 4
+    assert tiered.warm_bytes() == B * H_KV * tiered.tiers.warm_pages * tiered.page_bytes()
+    Driver(tiered, 40, seed=0)
+    assert tiered.kept().tolist() == [[24 - 8] * H_KV] * B  # the policy's slots, full; the recall slots apart
