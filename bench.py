@@ -67,7 +67,7 @@ def cpu_summary() -> str:
 # ---- engine: HF vs ours -------------------------------------------------------------------------------------
 def time_ours(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool, repeats: int) -> dict:
     model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, prompt.shape[1], new_tokens))
-    decoder = Decoder(model, compile=compile)
+    decoder = Decoder(model, compile=compile, scope="step")  # the tables' compiled rows: whole-step graphs
 
     def run() -> tuple[float, float, Tensor]:
         for c in model.caches:
@@ -158,7 +158,8 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
     peer = next((r for name, r in rows.items() if name.startswith("llama.cpp")), None)
     ref = rows.get("kvfast compiled (fp32)", {}).get("tokens")
     print(f"\nprompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
-          f"greedy, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"greedy, median of {args.repeats}; compiled = one graph per step (--compile-scope step); copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s")
     if peer:
         print(f"llama.cpp system_info: {peer['system_info']}")
     print("\n| engine | prefill (s) | decode tok/s | vs HF | vs llama.cpp | % of bandwidth floor | "
@@ -183,7 +184,7 @@ def step_time(model: Transformer, policy: str, context_len: int, budget: float |
     kwargs = cache_kwargs if budget is None else {"budget": budget, **cache_kwargs}
     kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=new, **kwargs)
     torch._dynamo.reset()  # new cache buffers: start from a clean compile cache (dynamo's recompile limit)
-    decoder = Decoder(model, compile=True)
+    decoder = Decoder(model, compile=True, scope="step")
     pos, times = context_len, []
     with torch.inference_mode():
         x = torch.tensor([[42]])  # an inference tensor like every later input: one graph
@@ -199,7 +200,7 @@ def step_time(model: Transformer, policy: str, context_len: int, budget: float |
 def bench_policies(model: Transformer, args: argparse.Namespace) -> dict:
     policies = args.policies or [p for p in kvcache.POLICIES if p != "full"]
     results = {}
-    print(f"\ndecode step time (ms), compiled, budget {args.budget:g} of context + new tokens; bookkeeping ="
+    print(f"\ndecode step time (ms), compiled (whole step), budget {args.budget:g} of context + new tokens; bookkeeping ="
           f" (step - step of a full cache with as many slots) / step\n")
     print("| policy | " + " | ".join(f"{n} tokens: step (speed-up vs full), bookkeeping" for n in args.lengths) + " |")
     print("|---|" + "---|" * len(args.lengths))

@@ -44,7 +44,7 @@ def tier_step_times(model: Transformer, policy: str, context_len: int, budget: f
     kwargs = {"budget": budget, **({"tiers": tiers} if tiers else {})}
     factory = kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=span + 1, **kwargs)
     torch._dynamo.reset()  # new cache buffers: start from a clean compile cache (dynamo's recompile limit)
-    decoder = Decoder(model, compile=True)
+    decoder = Decoder(model, compile=True, scope="step")
     spec, interval = factory.tiers, decoder.refresh_interval()
     generator = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
@@ -111,7 +111,7 @@ def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
     policies = args.policies or ["h2o"]
     lengths = args.lengths or [4096]
     tiers = tier_settings(args)
-    print(f"\ntiers: decode step time (ms), compiled, median of {args.repeats}; budget {args.budget:g} of context + "
+    print(f"\ntiers: decode step time (ms), compiled (whole step), median of {args.repeats}; budget {args.budget:g} of context + "
           f"{TIER_SPAN + 1} new tokens, the same hot slots for both (the tiered cache's recall slots among them); "
           f"warm store {tiers['warm_tokens']:g} of the tokens at {tiers['warm_bits']:g} bits, pages of "
           f"{tiers['page_size']:g}, a recall installing at most {tiers['recall_installs']:g} of the recall pages (hits stay). "

@@ -134,8 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="output folder (default results/<checkpoint name>)")
     p.add_argument("--overwrite", action="store_true", help="recompute the requested cells even if finished")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (once per cache shape)")
-    p.add_argument("--compile-scope", choices=["step", "block"], default="step",
-                   help="with --compile: the whole step in one graph, or one block reused for every layer")
+    p.add_argument("--compile-scope", choices=["step", "block"], default=None,
+                   help="with --compile: one block reused for every layer (the default on CPU) or the whole step "
+                        "in one graph (the default on CUDA)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32 on CPU, bfloat16 on GPU)")

@@ -148,11 +148,17 @@ def default_compile_mode(device: str) -> str:
     return "reduce-overhead" if device.startswith("cuda") else "default"
 
 
+def default_compile_scope(device: str) -> str:
+    """block on CPU: one compiled layer compiles ~4x faster cold than the traced step and decodes as fast (README,
+    "Compile latency"); step on CUDA, where one CUDA graph per step beats a launch per layer."""
+    return "step" if device.startswith("cuda") else "block"
+
+
 class Decoder:
     """Holds the (optionally compiled) step functions so they compile once and are reused across samples."""
 
     def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False,
-                 mode: str | None = None, scope: str = "step", dynamic_capacity: bool = False):
+                 mode: str | None = None, scope: str | None = None, dynamic_capacity: bool = False):
         self.model = model
         self.dynamic_capacity = compile and dynamic_capacity
         if self.dynamic_capacity:  # process-wide: dynamo reads it while tracing
@@ -165,7 +171,9 @@ class Decoder:
         self.prefill = prefill
         self.mode, self.scope = None, None
         if compile:
-            self.mode = mode or default_compile_mode(str(next(model.parameters()).device))
+            device = str(next(model.parameters()).device)
+            self.mode = mode or default_compile_mode(device)
+            scope = scope or default_compile_scope(device)
             if self.mode not in COMPILE_MODES:
                 choices = ", ".join(COMPILE_MODES)
                 raise KVFastError(f"unknown compile mode {self.mode!r} (choose from {choices})")
@@ -312,10 +320,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
                    help="torch.compile mode of the decode step and the refresh (default: reduce-overhead, "
                         "i.e. CUDA graphs, on CUDA; default on CPU, where reduce-overhead is an error)")
-    p.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="step",
-                   help="what --compile traces into one graph: the whole decode step (step: fastest steps, "
-                        "longest compile) or one transformer block reused for every layer (block: regional "
-                        "compilation, compile time of one layer)")
+    p.add_argument("--compile-scope", choices=COMPILE_SCOPES, default=None,
+                   help="what --compile traces into one graph: one transformer block reused for every layer "
+                        "(block, the default on CPU: regional compilation, ~4x faster cold compile, steps as fast) "
+                        "or the whole decode step (step, the default on CUDA: one CUDA graph per step)")
     p.add_argument("--dynamic-capacity", action="store_true",
                    help="--compile: the cache's slot count is a symbolic size, so one compiled step serves "
                         "every prompt length and budget (no padding, unlike --capacity-buckets)")
@@ -346,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--top-k must be > 0")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
-    if args.compile_scope != "step" and not args.compile:
+    if args.compile_scope and not args.compile:
         p.error("--compile-scope needs --compile")
     if args.dynamic_capacity and not args.compile:
         p.error("--dynamic-capacity needs --compile")

@@ -38,7 +38,7 @@ def test_warm_up_compiles_everything_and_the_sample_nothing(policy, override):
     prompt = torch.randint(0, 64, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     model.setup_caches(small_factory(policy, 2, model.args, PROMPT_LEN, N_NEW, **override))
     eager = generate_tokens(model, prompt, N_NEW)
-    decoder = generate.Decoder(model, compile=True)
+    decoder = generate.Decoder(model, compile=True, scope="step")
     has_refresh = decoder.refresh_interval() is not None
     before = graphs()
     steps, refreshes = decoder.warm_up(prompt)
@@ -49,6 +49,12 @@ def test_warm_up_compiles_everything_and_the_sample_nothing(policy, override):
     assert graphs() == warm and sum(counters["recompiles"].values()) == recompiles, "the sample compiled"
     assert torch.equal(compiled, eager)  # the warm-up's throwaway state did not leak into the sample
     assert len(set(eager[0].tolist())) > 5
+
+
+def test_default_scope_is_block_on_cpu_and_step_on_cuda():
+    assert generate.Decoder(tiny_model(), compile=True).scope == "block"
+    assert generate.Decoder(tiny_model()).scope is None  # eager: nothing compiled
+    assert (generate.default_compile_scope("cpu"), generate.default_compile_scope("cuda:0")) == ("block", "step")
 
 
 @pytest.mark.parametrize("policy, tiers", [("h2o", None), ("scissorhands", None), ("h2o", {"warm_tokens": 1.0, "page_size": 4, "recall_slots": 4})])
@@ -90,11 +96,11 @@ def test_warm_up_steps_do_not_grow_with_max_new_tokens(tiny_checkpoint, capsys):
     """expected_attention refreshes every 64 steps: 80 new tokens reach a refresh the warm-up compiled."""
     lines = []
     for n in (8, 80):
-        code, out, err = run_cli(capsys, tiny_checkpoint, "--compile", "--max-new-tokens", str(n),
-                                 "--cache", "expected_attention", "--cache-budget", "16")
+        code, out, err = run_cli(capsys, tiny_checkpoint, "--compile", "--compile-scope", "step", "--max-new-tokens",
+                                 str(n), "--cache", "expected_attention", "--cache-budget", "16")
         assert code == 0 and "warning" not in err, err
         lines.append(re.search(r"compile time: [\d.]+ s \((\d+) graphs; (warm-up: .*)\)", out).groups())
-        assert "compile mode: default" in out
+        assert "compile mode: default, scope step" in out
     n = generate.WARMUP_STEPS
     assert lines[0] == lines[1] == ("2", f"warm-up: {n} decode steps, {n} refreshes")
 
@@ -104,7 +110,7 @@ def test_compile_cache_round_trip(tiny_checkpoint, tmp_path, capsys, monkeypatch
     second runs against an empty local cache, as on a fresh machine: it loads the file, hits the loaded
     graphs and generates the same tokens."""
     cache_file = tmp_path / "cc.bin"
-    argv = ("--compile", "--max-new-tokens", "6", "--compile-cache", str(cache_file))
+    argv = ("--compile", "--compile-scope", "step", "--max-new-tokens", "6", "--compile-cache", str(cache_file))
     code, first, err = run_cli(capsys, tiny_checkpoint, *argv)
     assert code == 0 and not err, err
     assert cache_file.read_bytes().startswith(compilecache.MAGIC)
@@ -184,7 +190,7 @@ def test_compile_mode_reaches_every_compiled_function(monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn.__name__, kw.get("mode"))) or fn)
     model = tiny_model()
-    decoder = generate.Decoder(model, compile=True, mode="max-autotune-no-cudagraphs")
+    decoder = generate.Decoder(model, compile=True, mode="max-autotune-no-cudagraphs", scope="step")
     mode = "max-autotune-no-cudagraphs"  # the tiers' recall step and flush are compiled with it too
     assert seen == [(name, mode) for name in
                     ("decode_one_token", "recall_and_decode_one_token", "refresh_caches", "flush_tiers")]
