@@ -2,8 +2,9 @@
 pages the current query needs come back, instead of every evicted token being gone for good.
 
 HOT   the policy's slots. The last R of them (--recall-slots, whole pages) are reserved for recalled pages
-      (KVCache.recall_slots): the policy never prefills, fills or evicts them; attention reads them as any slot.
-      R comes out of the budget: the hot bytes are the budget's, as without tiers.
+      (KVCache.recall_slots; on hybrid's pool, R per KV head after the policy's slots, kv.pool): the policy
+      never prefills, fills or evicts them; attention reads them as any slot. R comes out of the budget: the hot
+      bytes are the budget's, as without tiers.
 WARM  per (row, KV head), a ring of pages of P tokens (--page-size), quantized once with kv.quant
       (--warm-bits): keys per channel over the page (KIVI's layout: a page's keys share one scale and zero
       point per channel, so an outlier channel does not flatten the others), values per token. With --kv-bits
