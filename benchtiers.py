@@ -16,17 +16,12 @@ import torch
 
 import cache as kvcache
 from evalcaches import tier_settings
-from generate import Decoder
+from generate import Decoder, synchronize
 from kv.tiers import tier_report
 from model import Transformer
 
 SPARSE_RECALL = 32  # the tiers issue's schedule for the step-time target: a recall every 32 steps
 TIER_SPAN = 256  # steps of the average: recall every --recall-interval, flush every --page-size positions
-
-
-def _sync(model: Transformer) -> None:
-    if next(model.parameters()).device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def tier_step_times(model: Transformer, policy: str, context_len: int, budget: float, tiers: dict | None,
@@ -63,10 +58,10 @@ def tier_step_times(model: Transformer, policy: str, context_len: int, budget: f
                 decoder.refresh(model)
             if spec and p % spec.page_size == 0:
                 decoder.flush(model)
-            _sync(model)
+            synchronize(str(device))
             t0 = time.perf_counter()
             x, _ = step(model, x, pos, 0.0, None)
-            _sync(model)
+            synchronize(str(device))
             spent += time.perf_counter() - t0
             x, pos = x.clone(), pos + 1
         return spent / steps
@@ -77,10 +72,10 @@ def tier_step_times(model: Transformer, policy: str, context_len: int, budget: f
             for c in model.caches:
                 c.tiers = dataclasses.replace(spec, recall_interval=interval or spec.recall_interval)
         refill()
-        _sync(model)
+        synchronize(str(device))
         t0 = time.perf_counter()
         decoder.decode(torch.tensor([[42]], device=device), context_len, span)
-        _sync(model)
+        synchronize(str(device))
         return (time.perf_counter() - t0) / span
 
     out: dict = {"capacity": model.caches[0].capacity,

@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
                 first = runner.prefill(model, idx, args.temperature, args.top_k)
             t_prefill = time.perf_counter() - t0
             new = runner.decode(first, len(ids), args.max_new_tokens - 1, args.temperature, args.top_k, stop_ids)
-        _sync(args.device)
+        synchronize(args.device)
         elapsed = time.perf_counter() - t0
         tokens = torch.cat([first, new], dim=1)
         if compiled and graph_count() > graphs_before:  # the warm-up missed a function or a guard failed
@@ -546,7 +546,7 @@ def warm_up(decoder: Decoder, idx: Tensor, args: argparse.Namespace) -> None:
     if cache:
         cache.load()
     steps, refreshes = decoder.warm_up(idx, args.temperature, args.top_k)
-    _sync(args.device)
+    synchronize(args.device)
     elapsed = time.perf_counter() - t0
     if cache:
         cache.save()
@@ -568,7 +568,8 @@ def print_cache_stats(model: Transformer, factory: kvcache.CacheFactory) -> None
         print(line)
 
 
-def _sync(device: str) -> None:
+def synchronize(device: str) -> None:
+    """Wait for the device (CUDA kernels are asynchronous) before reading a clock."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
