@@ -8,6 +8,7 @@
     python bench.py --section compile     # cold / warm / portable compile per policy, whole step vs one block
     python bench.py --section tiers       # tiered (kv.tiers) vs plain decode step at the same hot budget, 4096 tokens
     python bench.py --section speculate   # self-speculative decoding (speculate.py) vs plain, on real text
+    python bench.py --section batch       # total decode tok/s with B rows together vs one row (B = 1 2 4 8)
     python bench.py --section ragged      # 8 different prompts decoded together (ragged.py) vs one run each
     python bench.py --section tp          # generate.py on 1 process vs torchrun on 2 ranks (tp.py)
 
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 import cache as kvcache
+from benchbatch import bench_batch
 from benchragged import bench_ragged
 from benchspeculate import bench_speculate
 from benchtiers import TIER_SPAN, bench_tiers
@@ -371,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder")
     p.add_argument("--section", choices=["engine", "policies", "kv-bits", "quantize", "prefill", "tiers", "compile",
-                                                "speculate", "ragged", "tp", "all"],
+                                                "speculate", "batch", "ragged", "tp", "all"],
                    default="engine", help="which tables")
     p.add_argument("--compressors", nargs="+", default=["snapkv", "h2o", "expected_attention", "kvzip"],
                    help="prefill table: prompt compressors")
@@ -379,14 +381,14 @@ def main(argv: list[str] | None = None) -> None:
                    choices=["float32", "bfloat16", "auto"],
                    help="prefill table: precisions of kvzip's reconstruction pass, a column each")
     p.add_argument("--prompt-len", type=int, nargs="+", default=[512],
-                   help="engine table: prompt lengths, a table each; compile table: prompt tokens (the first)")
+                   help="engine and batch tables: prompt lengths, a table each; compile table: prompt tokens (the first)")
     p.add_argument("--weights", nargs="+", default=["fp32"], choices=["fp32", "bf16", "int8", "int4-g32", "int4-g64"],
-                   help="engine and speculate tables: weights of the compiled kvfast rows, quantized in memory as quantize.py "
-                        "writes them")
+                   help="engine, speculate and batch tables: weights of the compiled kvfast rows, quantized in memory as "
+                        "quantize.py writes them")
     p.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"],
                    help="engine table: other engines timed in the same run on the same prompts (llama.cpp: its "
                         "prebuilt CPU build on the checkpoint's GGUF, installed on first use into .peers/)")
-    p.add_argument("--new-tokens", type=int, default=128, help="engine and compile tables: tokens decoded")
+    p.add_argument("--new-tokens", type=int, default=128, help="engine, compile and batch tables: tokens decoded (per row)")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
     p.add_argument("--skip-hf", action="store_true", help="engine table without the HF transformers row")
     p.add_argument("--policies", nargs="*",
@@ -419,6 +421,8 @@ def main(argv: list[str] | None = None) -> None:
                         "new tokens or a slot count)")
     p.add_argument("--draft-k", type=int, nargs="+", default=[2, 3, 4],
                    help="speculate table: drafts per round (--speculate K), a row each")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="batch table: rows decoded together, a row of the table each (B = 1 is always measured)")
     p.add_argument("--ragged-lengths", type=int, nargs="+", default=[20, 45, 100, 200, 400, 700, 1200, 2000],
                    help="ragged table: the prompts' lengths in tokens, a row of the batch each")
     p.add_argument("--tp-ranks", type=int, nargs="+", default=[1, 2],
@@ -429,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
     given = given_tier_flags(args)
     if given and args.section not in ("tiers", "all"):
         p.error(f"{given[0]} is used by --section tiers only")
+    if any(b < 1 for b in args.batch_sizes):
+        p.error(f"--batch-sizes {' '.join(map(str, args.batch_sizes))}: every size must be at least 1")
     tier_settings(args)  # bad tier flags fail before the model loads
     if args.section == "tiers" and args.steps > TIER_SPAN:
         p.error(f"--steps {args.steps}: the tiers table's caches hold {TIER_SPAN} steps")
@@ -458,6 +464,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.section in ("speculate", "all"):
         args.lengths = tier_lengths or [4096]
         out["speculate"] = bench_speculate(model, checkpoint, args)
+    if args.section in ("batch", "all"):
+        out["batch"] = bench_batch(model, args)
     if args.section in ("ragged", "all"):
         out["ragged"] = bench_ragged(model, checkpoint, args)
     if args.section in ("tp", "all"):

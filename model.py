@@ -60,18 +60,44 @@ class ModelArgs:
         return self.n_heads // self.n_kv_heads
 
 
+# Rows up to which a compiled CPU matmul is written as multiply-and-sum reductions (a batch of one-token rows,
+# speculate.py's verification). Measured on an AVX-512 CPU (README, "Batched decode"): with int8 / bfloat16
+# weights the fused reductions beat F.linear (which converts the whole weight per call) 3-8x at 1-16 rows; with
+# fp32 weights they win up to ~8 rows and break even at 16.
+MAX_REDUCTION_ROWS = 16
+
+
 def as_reduction(x: Tensor) -> bool:
-    """True for one token on CPU inside a compiled graph, where a matrix-vector product is best written as a
+    """True for a few tokens on CPU inside a compiled graph, where a matrix-vector product is best written as a
     multiply-and-sum: torch's fp32 GEMV streams weights at a fraction of the memory bandwidth there, while
     Inductor turns the multiply-and-sum into one vectorized, parallel reduction that reads each weight once
     (decode is bandwidth-bound) and fuses any dequantization of int8 / int4 weights into it (quantize.py)."""
-    return torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1
+    rows = x.shape[:-1].numel()  # a SymInt under a dynamic-shape compile (--compile-prefill): F.linear
+    return torch.compiler.is_compiling() and x.device.type == "cpu" and isinstance(rows, int) and rows <= MAX_REDUCTION_ROWS
+
+
+def realized(x: Tensor) -> Tensor:
+    """x written to memory once in a compiled graph. Inductor otherwise inlines x's cheap producers (the
+    residual add and RMSNorm before a projection) into each reduction that reads it, recomputing them for every
+    output row: 8 % of an int8 decode step at one token, half of the step at eight."""
+    from torch._inductor import inductor_prims  # noqa: F401  (registers the op; imported when compiling only)
+
+    return torch.ops.prims.inductor_force_stride_order(x, x.stride())
+
+
+def per_row(x: Tensor, row_product: Callable[[Tensor], Tensor]) -> Tensor:
+    """row_product(one row [in]) -> [out], applied to each row of x [..., in]. The rows are unrolled into
+    separate reductions over the same weight: Inductor fuses them into one loop that loads (and dequantizes)
+    each weight once for all rows, where one broadcast [rows, out, in] reduction redoes that per row."""
+    rows = realized(x).reshape(-1, x.shape[-1]).unbind(0)
+    y = row_product(rows[0]).unsqueeze(0) if len(rows) == 1 else torch.stack([row_product(r) for r in rows])
+    return y.view(*x.shape[:-1], -1)
 
 
 def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
     """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`."""
     weight = weight.to(x.dtype)  # no-op for weights in the compute dtype
-    y = (x.unsqueeze(-2) * weight).sum(-1) if as_reduction(x) else F.linear(x, weight)
+    y = per_row(x, lambda row: (row * weight).sum(-1)) if as_reduction(x) else F.linear(x, weight)
     return y if scales is None else y * scales
 
 

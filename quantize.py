@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model import KVFastError, Linear, Transformer, as_reduction, linear
+from model import KVFastError, Linear, Transformer, as_reduction, linear, per_row
 
 MODES = ("int8", "int4", "bf16")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -137,10 +137,12 @@ class Int4Linear(nn.Module):
         high = torch.floor(codes * (1 / 16))
         low = codes - 16 * high
         scales = self.scales.view(out, n_groups, 1).expand(out, n_groups, 2 * half // n_groups).reshape(out, -1)
-        x_row = x.reshape(-1)
-        y = (x_row[:half] * low * scales[:, :half] + x_row[half:] * high * scales[:, half:]).sum(-1)
-        y = y + (self.offsets * x_row.view(n_groups, -1).sum(-1)).sum(-1)
-        return y.view(*x.shape[:-1], out)
+
+        def row_product(row: Tensor) -> Tensor:
+            y = (row[:half] * low * scales[:, :half] + row[half:] * high * scales[:, half:]).sum(-1)
+            return y + (self.offsets * row.view(n_groups, -1).sum(-1)).sum(-1)
+
+        return per_row(x, row_product)
 
 
 # ---- whole model ------------------------------------------------------------------------------------------------

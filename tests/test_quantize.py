@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_generate import TINY, greedy, tiny_checkpoint, tiny_model  # noqa: F401 -- fixture reused
+from torch._dynamo.testing import EagerAndRecordGraphs
 
 import cache as kvcache
 import generate
 import quantize
-from model import KVFastError, Transformer
+from model import MAX_REDUCTION_ROWS, KVFastError, Linear, Transformer
 
 torch.manual_seed(0)
 
@@ -39,14 +40,17 @@ def test_int4_packing_and_error_bound(group_size):
     assert torch.all(err <= scales[..., None] / 2 + 1e-5)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4", "bf16"])
 def test_compiled_reduction_equals_dequantized_product(mode):
-    """The decode path (multiply-and-sum with the dequantization fused in) against F.linear on the weight."""
+    """The decode path (multiply-and-sum with the dequantization fused in, one reduction per row up to
+    MAX_REDUCTION_ROWS rows) against F.linear on the weight; more rows take F.linear inside the graph too."""
     w = torch.randn(80, 192)
-    layers = {"int8": quantize.Int8Linear(192, 80), "int4": quantize.Int4Linear(192, 80, 64),
+    layers = {"fp32": Linear(192, 80), "int8": quantize.Int8Linear(192, 80), "int4": quantize.Int4Linear(192, 80, 64),
               "bf16": quantize.BF16Linear(192, 80)}
     layer = layers[mode]
-    if mode == "int8":
+    if mode == "fp32":
+        layer.weight.data, dense = w, w
+    elif mode == "int8":
         layer.weight, layer.scales = quantize.quantize_int8(w)
         dense = layer.weight.float() * layer.scales[:, None]
     elif mode == "bf16":
@@ -55,15 +59,19 @@ def test_compiled_reduction_equals_dequantized_product(mode):
     else:
         layer.weight, layer.scales, layer.offsets = quantize.quantize_int4(w, 64)
         dense = quantize.dequantize_int4(layer.weight, layer.scales, layer.offsets)
-    x = torch.randn(1, 1, 192)
     torch._dynamo.reset()
+    graphs = EagerAndRecordGraphs()
+    traced = torch.compile(layer, fullgraph=True, backend=graphs)
     compiled = torch.compile(layer, fullgraph=True)
     with torch.inference_mode():
-        expected = F.linear(x, dense)
-        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)  # eager: F.linear on the fly
-        torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-4)
-        xs = torch.randn(2, 3, 192)  # several rows: the F.linear path, also inside the graph
-        torch.testing.assert_close(compiled(xs), F.linear(xs, dense), rtol=1e-5, atol=1e-4)
+        for shape in [(1, 1, 192), (2, 3, 192), (1, MAX_REDUCTION_ROWS + 1, 192)]:
+            x = torch.randn(shape)
+            expected = F.linear(x, dense)
+            torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)  # eager: F.linear on the fly
+            torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-4)
+            traced(x)
+    uses_linear = [any(n.target is F.linear for n in g.graph.nodes) for g in graphs.graphs]
+    assert uses_linear == [False, False, True]  # 1 and 6 rows: reductions; 17: torch's GEMM
 
 
 def dequantized_copy(base: Transformer, mode: str, group_size: int) -> Transformer:

@@ -1,0 +1,69 @@
+"""bench.py --section batch: total decode tokens per second with B rows decoded together, against one row.
+
+For each --weights mode (quantized in memory as quantize.py writes them) and each B of --batch-sizes (and 1): B random
+prompts of --prompt-len tokens (row i is the same prompt for every B), the `full` cache, --new-tokens greedy tokens
+per row, compiled at the default scope (block on CPU), the median of --repeats after a compiling round. Reported:
+ms per step, total tok/s, the ratio to B = 1 and whether row 0 gives the tokens of its run at B = 1. Each step
+reads the weights once for all rows (model.linear's per-row reductions share each weight load) but every row
+its own K/V, so the ratio is bounded by (weights + K/V of one row) / (weights / B + K/V of one row) per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import cache as kvcache
+import quantize
+from generate import Decoder
+from model import Transformer
+
+
+def time_batch(model: Transformer, prompts: torch.Tensor, new_tokens: int, repeats: int) -> tuple[float, torch.Tensor]:
+    """(seconds per decode step, tokens [B, new_tokens]) for the rows of prompts [B, S] decoded together."""
+    B, S = prompts.shape
+    model.setup_caches(kvcache.make_cache_factory("full", B, model.args, S, new_tokens))
+    torch._dynamo.reset()
+    decoder = Decoder(model, compile=True)
+    decoder.warm_up(prompts)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for c in model.caches:
+                c.reset()
+            first = decoder.prefill(model, prompts, 0.0, None)
+            t0 = time.perf_counter()
+            rest = decoder.decode(first, S, new_tokens - 1)
+            times.append((time.perf_counter() - t0) / (new_tokens - 1))
+    return statistics.median(times), torch.cat([first, rest], 1)
+
+
+def bench_batch(model: Transformer, args: argparse.Namespace) -> dict:
+    kv_row = 2 * model.args.n_layers * model.args.n_kv_heads * model.args.head_dim * 4  # fp32 K/V bytes per token
+    out = {}
+    for prompt_len in args.prompt_len:
+        prompts = torch.randint(100, model.args.vocab_size - 100, (max(1, *args.batch_sizes), prompt_len),
+                                generator=torch.Generator().manual_seed(0))
+        for mode in args.weights:
+            m = quantize.quantized_copy(model, mode)
+            weights, kv = m.weight_bytes(), kv_row * (prompt_len + args.new_tokens // 2)
+            rows, alone = {}, None
+            for B in sorted({1, *args.batch_sizes}):
+                step, tokens = time_batch(m, prompts[:B], args.new_tokens, args.repeats)
+                alone = tokens[0] if alone is None else alone
+                rows[B] = {"step_ms": 1e3 * step, "tok_s": B / step, "row0_same": bool(torch.equal(tokens[0], alone)),
+                           "bound": B * (weights + kv) / (weights + B * kv)}
+            out[f"{prompt_len}/{mode}"] = rows
+            base = rows[min(rows)]["tok_s"]
+            print(f"\nprompt {prompt_len} tokens, {mode} weights ({weights / 1e6:.0f} MB), fp32 K/V "
+                  f"({kv / 1e6:.1f} MB per row at mid-generation), full cache, {args.new_tokens} new tokens per row, "
+                  f"greedy, compiled (default scope), median of {args.repeats}\n")
+            print("| rows B | step (ms) | total tok/s | vs B = 1 | bandwidth bound vs B = 1 | row 0 = its run at B = 1 |")
+            print("|---|---|---|---|---|---|")
+            for B, r in rows.items():
+                print(f"| {B} | {r['step_ms']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['bound']:.1f}x | "
+                      f"{'yes' if r['row0_same'] else 'no'} |")
+    return out
