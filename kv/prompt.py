@@ -37,14 +37,16 @@ def memoized(memo: dict | None, key: tuple, compute: Callable[[], Tensor]) -> Te
 
 def attention_rows(q: Tensor, k: Tensor, start: int, stop: int, key_pos: Tensor | None = None) -> Tensor:
     """Causal attention probabilities [B, H_kv, g, stop - start, n] (fp32) of query rows start..stop-1 over
-    the n keys k [B, H_kv, n, D] at positions key_pos [B, H_kv, n] (None: the whole prompt, 0..S-1)."""
-    B, H, S, D = q.shape
+    the n keys k [B, H_kv, n, D] at positions key_pos [B, H_kv, n] (None: the prompt's first n, 0..n-1)."""
+    B, H, _, D = q.shape
     n_kv = k.shape[1]
-    qg = q[:, :, start:stop].float().reshape(B, n_kv, H // n_kv, stop - start, D)
-    scores = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(D))
+    qg = q[:, :, start:stop].float().reshape(B, n_kv, H // n_kv, stop - start, D) * (1.0 / math.sqrt(D))
+    scores = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2))
     rows = torch.arange(start, stop, device=q.device).view(-1, 1)
-    key_pos = torch.arange(S, device=q.device) if key_pos is None else key_pos[:, :, None, None, :]
-    return torch.softmax(scores.masked_fill(key_pos > rows, -INF), dim=-1)
+    if key_pos is None:  # keys before `start` are seen by every row: mask the causal corner only, in place
+        scores[..., start:].masked_fill_(torch.arange(start, k.shape[2], device=q.device) > rows, -INF)
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores.masked_fill(key_pos[:, :, None, None, :] > rows, -INF), dim=-1)
 
 
 def attention_row_blocks(q: Tensor, k: Tensor, start: int = 0,
@@ -59,10 +61,13 @@ def attention_row_blocks(q: Tensor, k: Tensor, start: int = 0,
 def column_sums(q: Tensor, k: Tensor, memo: dict | None = None, block_rows: int | None = None) -> Tensor:
     """H2O's accumulated attention of every prompt query, per query head: [B, H_kv, g, S]."""
     def compute() -> Tensor:
-        total = None
-        for _, probs in attention_row_blocks(q, k, 0, block_rows):
-            part = probs.sum(dim=3)
-            total = part if total is None else total + part
+        B, H, S, _ = q.shape
+        rows = block_rows or max(1, PREFILL_BLOCK_ELEMENTS // (B * H * S))
+        total = q.new_zeros(B, k.shape[1], H // k.shape[1], S, dtype=torch.float32)
+        for r0 in range(0, S, rows):
+            r1 = min(S, r0 + rows)
+            # causal: query rows before r1 give no attention to keys from r1 on, so skip them (half the work)
+            total[..., :r1] += attention_rows(q, k[:, :, :r1], r0, r1).sum(dim=3)
         return total
     return memoized(memo, ("column_sums",), compute)
 
