@@ -40,7 +40,7 @@ def weights_file(checkpoint: Path, weights: str) -> Path:
 def run_generate(ranks: int, flags: list[str]) -> dict:
     cores = os.cpu_count() or 1
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // ranks))}
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks > 1
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1
                 else [sys.executable])
     proc = subprocess.run([*launcher, str(ROOT / "generate.py"), *flags], cwd=ROOT, env=env, capture_output=True,
                           text=True, check=False)

@@ -18,7 +18,8 @@ REPO = tp_worker.ROOT
 
 def torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args],
+    # --standalone: a free rendezvous port per run (the default 29500 can still be held by the previous run)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
