@@ -169,7 +169,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     mask is [B, H_kv, S, T] bool (True = may attend). When want_probs, the probabilities are computed
     explicitly and returned as [B, H_kv, g, S, T] so a cache policy can score its slots per KV head.
 
-    k, v of shape [B, P, D] are a layer's pool shared by its KV heads (kv.pool): see attend_pool.
+    k, v of shape [B, P, D] are a layer's pool shared by its KV heads (kv.pool): see attend_pool. A compiled
+    CPU decode step (one query, probabilities not wanted) takes attend_one_query instead of SDPA.
     """
     if k.dim() == 3:
         return attend_pool(q, k, v, mask, want_probs)
