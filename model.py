@@ -172,7 +172,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
 
     k, v of shape [B, P, D] are a layer's pool shared by its KV heads (kv.pool): see attend_pool. A compiled
     CPU decode step (one query, probabilities not wanted) takes attend_one_query instead of SDPA, unless
-    fuse_one_query is False (4-bit K/V: see Attention.forward).
+    the cache says otherwise (4-bit K/V: KVCache.fuse_one_query).
     """
     if k.dim() == 3:
         return attend_pool(q, k, v, mask, want_probs)
@@ -272,10 +272,8 @@ class Attention(nn.Module):
         k_all, v_all, mask = cache.update(input_pos, k, v)
         if cos is None:
             q = cache.rotate_query(q)
-        # 4-bit codes: unpacking nibbles inside the fused one-query reductions made the step 1.4x slower than
-        # SDPA over the unpacked K/V (full, 4096 tokens: 92 vs 64 ms); 8-bit and fp32 gain from fusing (README)
         out, probs = attend(q, k_all, v_all, mask, want_probs=cache.needs_attention,
-                            fuse_one_query=getattr(cache, "kv_bits", None) != 4)
+                            fuse_one_query=getattr(cache, "fuse_one_query", True))  # wrappers: fused
         if probs is not None:
             cache.observe(probs)
         return self.output(out)

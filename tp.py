@@ -14,7 +14,6 @@ only rank 0 prints.
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 from dataclasses import replace
@@ -44,9 +43,6 @@ def init(device: str) -> str:
         device = f"cuda:{local}"
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-        # leave the group before the interpreter tears down: a gloo thread still running at exit aborted a
-        # rank now and then ("terminate called without an active exception", exit -6)
-        atexit.register(dist.destroy_process_group)
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
     return device

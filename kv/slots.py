@@ -209,6 +209,12 @@ class KVCache(nn.Module):
             else:
                 put_rows(buffer, slot, value)
 
+    @property
+    def fuse_one_query(self) -> bool:
+        """May a compiled CPU decode step attend through model.attend_one_query? Its fused reductions dequantize
+        8-bit codes in place, but unpacking 4-bit ones there cost 1.4x SDPA over the unpacked K/V (README)."""
+        return self.kv_bits != 4
+
     def keys_values(self) -> tuple[Tensor, Tensor]:
         """Every slot's K and V [B, H_kv, C, D] in the compute dtype (dequantized if kv_bits; keys rotated to
         their ranks if pos_shift)."""
