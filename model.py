@@ -171,16 +171,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     explicitly and returned as [B, H_kv, g, S, T] so a cache policy can score its slots per KV head.
 
     k, v of shape [B, P, D] are a layer's pool shared by its KV heads (kv.pool): see attend_pool. A compiled
-    CPU decode step (one query, probabilities not wanted) takes attend_one_query instead of SDPA, unless
-    the cache says otherwise (4-bit K/V: KVCache.fuse_one_query).
+    CPU decode step (one query) takes attend_one_query (attend_pool_one_query) instead of SDPA or matmuls,
+    unless the cache says otherwise (4-bit K/V: KVCache.fuse_one_query).
     """
+    B, H, S, D = q.shape
+    if (fuse_one_query and mask is not None and S == 1 and q.device.type == "cpu"
+            and torch.compiler.is_compiling()):
+        one_query = attend_pool_one_query if k.dim() == 3 else attend_one_query
+        return one_query(q, k, v, mask, want_probs)
     if k.dim() == 3:
         return attend_pool(q, k, v, mask, want_probs)
-    B, H, S, D = q.shape
     n_kv = k.shape[1]
-    if (fuse_one_query and not want_probs and mask is not None and S == 1 and q.device.type == "cpu"
-            and torch.compiler.is_compiling()):
-        return attend_one_query(q, k, v, mask), None
     if not want_probs:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), None
@@ -201,16 +202,40 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     return out.view(B, H, S, D), probs
 
 
-def attend_one_query(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def attend_one_query(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                     want_probs: bool = False) -> tuple[Tensor, Tensor | None]:
     """A decode step's attention (one query per row) as multiply-and-sum reductions, inside a compiled CPU graph.
-    SDPA's CPU kernel has a fixed cost per call that dwarfs one query's work (3 KV heads x 512 keys: ~90 us
-    for ~1 MB of K/V) and splits the step's graph at every layer; as reductions Inductor fuses the attention
-    into the layer's kernels (int8 decode step at 512 tokens, whole-step graph: 11.4 -> 9.1 ms; README)."""
+    SDPA's CPU kernel (and a matmul's, when a policy wants the probabilities) has a fixed cost per call that
+    dwarfs one query's work (3 KV heads x 512 keys: ~90 us for ~1 MB of K/V) and splits the step's graph at
+    every layer; as reductions Inductor fuses the attention into the layer's kernels (int8 decode step at 512
+    tokens, whole-step graph: 11.4 -> 9.1 ms; README). probs as attend returns them."""
     B, H, _, D = q.shape
     n_kv = k.shape[1]
     scores = (q.view(B, n_kv, H // n_kv, 1, D) * k.unsqueeze(2)).sum(-1) * (1.0 / math.sqrt(D))
-    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
-    return (probs.type_as(v).unsqueeze(-1) * v.unsqueeze(2)).sum(-2).view(B, H, 1, D)
+    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)  # [B, n_kv, g, T]
+    out = (probs.type_as(v).unsqueeze(-1) * v.unsqueeze(2)).sum(-2).view(B, H, 1, D)
+    return out, probs.unsqueeze(3) if want_probs else None
+
+
+def attend_pool_one_query(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                          want_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+    """attend_pool for one query per row inside a compiled CPU graph: each slot is scored only by the g query
+    heads of the KV head that owns it (their queries gathered by the slot's owner, a third of the products of
+    every query head scoring every slot with H_kv = 3), fused with the masked softmax, the scores laid out
+    [g, P] so the softmax vectorizes along the slots. The probabilities times V stay one matmul: as a
+    reduction Inductor would stream the whole pool once per 8 output channels of every query head."""
+    B, H, _, D = q.shape
+    n_kv, P = mask.shape[1], k.shape[1]
+    g = H // n_kv
+    mine = mask[:, :, 0]  # [B, n_kv, P]
+    owner = realized((mine * torch.arange(n_kv, device=q.device).view(1, n_kv, 1)).sum(1))  # [B, P]; 0 if empty
+    rows = torch.arange(B, device=q.device).view(B, 1, 1)
+    heads = torch.arange(g, device=q.device).view(1, g, 1)
+    q_slot = q.view(B, n_kv, g, D).transpose(1, 2)[rows, heads, owner.unsqueeze(1)]  # [B, g, P, D]
+    scores = (q_slot * k.unsqueeze(1)).sum(-1) * (1.0 / math.sqrt(D))  # [B, g, P]
+    probs = torch.softmax(scores.float().unsqueeze(1).masked_fill(~mine.unsqueeze(2), float("-inf")), dim=-1)
+    out = torch.bmm(probs.type_as(v).view(B, H, P), v).view(B, H, 1, D)
+    return out, probs.unsqueeze(3) if want_probs else None
 
 
 def attend_pool(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,

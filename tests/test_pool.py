@@ -183,6 +183,36 @@ def test_compiled_equals_eager_over_1000_steps_and_other_prompt_lengths():
     assert len(splits) > 1  # the split between heads really changed
 
 
+@pytest.mark.parametrize("layout", ["uniform", "pool"])
+def test_one_query_attention_compiled_equals_the_matmul_path(layout):
+    """The compiled CPU decode step's fused one-query attention (model.attend_one_query / attend_pool_one_query:
+    a pool slot scored only by its owner's query heads) == attend's matmul path: outputs and the probabilities
+    a policy observes, with empty slots and a head that owns nothing in one row."""
+    gen = torch.Generator().manual_seed(0)
+    B, n_kv, g, D, T = 2, 3, 3, 16, 40
+    q = torch.randn(B, n_kv * g, 1, D, generator=gen)
+    if layout == "uniform":
+        k, v = (torch.randn(B, n_kv, T, D, generator=gen) for _ in "kv")
+        mask = torch.rand(B, n_kv, 1, T, generator=gen) > 0.3
+    else:
+        k, v = (torch.randn(B, T, D, generator=gen) for _ in "kv")
+        owner = torch.randint(0, n_kv, (B, T), generator=gen)
+        owner[1] = torch.where(owner[1] == 2, 0, owner[1])  # row 1: KV head 2 owns no slot
+        owner[1, -1] = 2  # ... but an empty one (slot_pos -1)
+        held = torch.rand(B, T, generator=gen) > 0.2
+        held[1, -1] = False
+        mask = ((owner.unsqueeze(1) == torch.arange(n_kv).view(1, -1, 1)) & held.unsqueeze(1)).unsqueeze(2)
+    out, probs = attend(q, k, v, mask, want_probs=True)
+    fused = torch.compile(lambda *a: attend(*a, want_probs=True), fullgraph=True, backend="inductor")
+    fused_out, fused_probs = fused(q, k, v, mask)
+    rows = slice(None) if layout == "uniform" else slice(0, 1)  # row 1's head 2 attends to nothing: NaN either way
+    torch.testing.assert_close(fused_out[rows], out[rows])
+    torch.testing.assert_close(fused_probs[rows], probs[rows])
+    assert fused_probs.shape == probs.shape
+    if layout == "pool":  # each query head's probabilities sit on its own KV head's held slots only
+        assert torch.equal(fused_probs[0, :, :, 0] > 0, mask[0, :, 0].unsqueeze(1).expand(-1, g, -1))
+
+
 @pytest.mark.parametrize("kv_bits", [None, 8, 4])
 def test_memory_is_the_pool_whatever_the_split(kv_bits):
     model = tiny_model(1)
