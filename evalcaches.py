@@ -93,6 +93,7 @@ class ShadowCaches(nn.Module):
         super().__init__()
         self.full, self.followers = full, nn.ModuleList(followers)
         self.refresh_interval = getattr(followers[0], "refresh_interval", None)
+        self.compile_refresh = all(getattr(f, "compile_refresh", True) for f in followers)
         self.tiered_followers = [f for f in followers if getattr(f, "tiered", False)]
         schedules = {(f.tiers.page_size, f.tiers.recall_interval) for f in self.tiered_followers}
         if len(schedules) > 1:
@@ -162,6 +163,7 @@ class MultiCache(nn.Module):
         if len(intervals) > 1:
             raise ValueError(f"members refresh at different intervals {intervals}")
         self.refresh_interval = next(iter(intervals), None)
+        self.compile_refresh = all(getattr(m, "compile_refresh", True) for m in members)
         if any(m.kv_bits for m in members):
             raise ValueError("MultiCache shares full-precision K/V buffers; quantized K/V is not batched")
         if any(isinstance(m, PoolCache) for m in members):

@@ -109,9 +109,17 @@ def flush_cache(cache: nn.Module) -> None:
 
 
 def refresh_caches(model: Transformer) -> None:
-    """Periodic policy work (e.g. Scissorhands' eviction-queue refill), compiled separately."""
+    """Periodic policy work (e.g. Scissorhands' eviction-queue refill), outside the decode graph."""
     for c in model.caches:
         c.refresh()
+
+
+def refresh_as_compiled(compiled: Callable[[Transformer], None]) -> Callable[[Transformer], None]:
+    """The compiled refresh, or the eager one where the policy says compiling it does not pay
+    (KVCache.compile_refresh); read at each call: eval installs its caches after building the Decoder."""
+    def run(model: Transformer) -> None:
+        (compiled if getattr(model.caches[0], "compile_refresh", True) else refresh_caches)(model)
+    return run
 
 
 def flush_tiers(model: Transformer) -> None:
@@ -184,12 +192,13 @@ class Decoder:
             if scope == "step":  # the whole step, all layers traced into one graph (gpt-fast)
                 self.step = compiled(decode_one_token)
                 self.step_recall = compiled(recall_and_decode_one_token)
-                self.refresh = compiled(refresh_caches)
+                self.refresh = refresh_as_compiled(compiled(refresh_caches))
                 self.flush = compiled(flush_tiers)
             else:  # regional: one layer's graph serves every layer of the same shapes
                 block, head = compiled(run_block), compiled(logits_and_sample)
                 self.step, self.step_recall = BlockStep(block, head), BlockStep(block, head, recall=True)
-                self.refresh, self.flush = per_cache(compiled(refresh_cache)), per_cache(compiled(flush_cache))
+                self.refresh = refresh_as_compiled(per_cache(compiled(refresh_cache)))
+                self.flush = per_cache(compiled(flush_cache))
         if compile_prefill:
             if kvzip.needs_context_pass(model):
                 raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")

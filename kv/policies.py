@@ -140,6 +140,9 @@ class ScissorhandsCache(KVCache):
 
     name = "scissorhands"
     needs_attention = True
+    # two sorts per layer every drop_interval steps: eager they run faster than compiled (30 layers at 50 % of
+    # 512 / 2048 tokens: 25 vs 43 ms, 94 vs 146 ms on a 2-core AVX2 EPYC) and cost no compile (README)
+    compile_refresh = False
     params: ClassVar[dict[str, Any]] = {
         "n_sinks": 0, "recent_window": 10, "history_window": 400, "drop_interval": 0.5, "gqa_reduce": "mean"}
     default_prompt_compressor = "snapkv"

@@ -27,7 +27,7 @@ Hooks a policy may override (each a few lines):
     on_insert(slot, k, pos)      reset/seed the statistics of the slots just overwritten
     observe(probs)               attention of the new query [B, H_kv, g, 1, C] (when needs_attention)
     prefill_state(q, k, keep, memo)  seed the statistics of the kept prompt tokens
-    refresh()                    periodic work, compiled separately, called every refresh_interval steps
+    refresh()                    periodic work outside the decode graph, every refresh_interval steps
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ class KVCache(nn.Module):
     n_sinks: int = 0
     recent_window: int = 1  # counts the new token: the r - 1 newest cached tokens are protected
     refresh_interval: int | None = None  # read by generate.Decoder: call refresh() every that many steps
+    compile_refresh = True  # generate.Decoder compiles refresh() (a policy whose eager refresh is faster says no)
     # the last recall_slots slots belong to the tiers (kv.tiers): never evicted by the policy, never prefilled
     recall_slots: int = 0
     # False where --pos-shift cannot apply: the cache never evicts, or its statistics rotate keys by position
@@ -351,7 +352,8 @@ class KVCache(nn.Module):
         """probs: [B, H_kv, g, 1, C] attention of the new query over all slots (only if needs_attention)."""
 
     def refresh(self) -> None:
-        """Work done every `refresh_interval` steps by a separately compiled function (none by default)."""
+        """Work done every `refresh_interval` steps, outside the decode graph (none by default); a separately
+        compiled function unless compile_refresh is False."""
 
     def recall(self, q: Tensor) -> None:
         """Bring back evicted tokens for the current query q [B, H, 1, D] before update() (kv.tiers; none here)."""

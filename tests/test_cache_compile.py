@@ -1,5 +1,5 @@
 """Every registered policy under torch.compile(fullgraph=True): same tokens as eager, no recompilation over
-256 decode steps after warm-up (Scissorhands' separately compiled refresh included)."""
+256 decode steps after warm-up (Scissorhands' eager and expected_attention's compiled refresh included)."""
 
 import pytest
 import torch
@@ -33,7 +33,7 @@ def test_compiled_matches_eager_without_recompiling(policy):
     graphs = {}
 
     def after_warmup(step, logits):
-        if step == WARMUP:  # the step and (scissorhands) the refresh have both compiled by now
+        if step == WARMUP:  # the step (and a compiled refresh: expected_attention's) have compiled by now
             graphs["warm"] = counters["stats"]["unique_graphs"]
 
     compiled = generate_tokens(model, prompt, n_new, Decoder(model, compile=True), on_logits=after_warmup)

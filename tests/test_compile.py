@@ -40,10 +40,11 @@ def test_warm_up_compiles_everything_and_the_sample_nothing(policy, override):
     eager = generate_tokens(model, prompt, N_NEW)
     decoder = generate.Decoder(model, compile=True, scope="step")
     has_refresh = decoder.refresh_interval() is not None
+    compiles_refresh = has_refresh and model.caches[0].compile_refresh  # scissorhands' runs eagerly
     before = graphs()
     steps, refreshes = decoder.warm_up(prompt)
     assert (steps, refreshes) == (generate.WARMUP_STEPS, generate.WARMUP_STEPS if has_refresh else 0)
-    assert graphs() - before == 1 + has_refresh  # the step, and the refresh where the policy has one
+    assert graphs() - before == 1 + compiles_refresh  # the step, and the refresh where the policy compiles one
     warm, recompiles = graphs(), sum(counters["recompiles"].values())
     compiled = generate_tokens(model, prompt, N_NEW, decoder)
     assert graphs() == warm and sum(counters["recompiles"].values()) == recompiles, "the sample compiled"
@@ -57,20 +58,21 @@ def test_default_scope_is_block_on_cpu_and_step_on_cuda():
     assert (generate.default_compile_scope("cpu"), generate.default_compile_scope("cuda:0")) == ("block", "step")
 
 
-@pytest.mark.parametrize("policy, tiers", [("h2o", None), ("scissorhands", None), ("h2o", {"warm_tokens": 1.0, "page_size": 4, "recall_slots": 4})])
+@pytest.mark.parametrize("policy, tiers", [("h2o", None), ("scissorhands", None), ("expected_attention", None),
+                                           ("h2o", {"warm_tokens": 1.0, "page_size": 4, "recall_slots": 4})])
 def test_block_scope_compiles_one_block_for_every_layer(policy, tiers):
-    """--compile-scope block: one graph for all layers (and one for the head, one for the refresh; tiers: a
-    recalling block and the flush), nothing recompiles in the sample, tokens equal eager decoding."""
+    """--compile-scope block: one graph for all layers (and one for the head, one for a compiled refresh:
+    expected_attention's, not scissorhands'; tiers: a recalling block and the flush), nothing recompiles in the sample, tokens equal eager decoding."""
     model = tiny_model()
     assert len(model.layers) >= 2
     prompt = torch.randint(0, 64, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     model.setup_caches(small_factory(policy, 2, model.args, PROMPT_LEN, N_NEW, **({"tiers": tiers} if tiers else {})))
     eager = generate_tokens(model, prompt, N_NEW)
     decoder = generate.Decoder(model, compile=True, scope="block")
-    has_refresh = decoder.refresh_interval() is not None
+    compiles_refresh = decoder.refresh_interval() is not None and model.caches[0].compile_refresh
     before, recompiles = graphs(), sum(counters["recompiles"].values())
     decoder.warm_up(prompt)
-    assert graphs() - before == 2 + has_refresh + 2 * bool(tiers)  # not one per layer
+    assert graphs() - before == 2 + compiles_refresh + 2 * bool(tiers)  # not one per layer
     assert sum(counters["recompiles"].values()) == recompiles
     warm = graphs()
     compiled = generate_tokens(model, prompt, N_NEW, decoder)
