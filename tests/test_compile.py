@@ -52,6 +52,22 @@ def test_warm_up_compiles_everything_and_the_sample_nothing(policy, override):
     assert len(set(eager[0].tolist())) > 5
 
 
+@pytest.mark.parametrize("probe", [False, True])
+def test_compiling_on_cpu_trusts_the_cpus_vector_flags_unless_told_to_probe(probe, monkeypatch):
+    from torch._inductor import config
+
+    if probe:
+        monkeypatch.setenv("KVFAST_PROBE_VEC_ISA", "1")
+    else:
+        monkeypatch.delenv("KVFAST_PROBE_VEC_ISA", raising=False)
+    with config.patch({"cpp.vec_isa_ok": None}):  # restored afterwards: other tests compile with it set
+        generate.Decoder(tiny_model())  # eager: nothing compiled, nothing set
+        assert config.cpp.vec_isa_ok is None
+        generate.Decoder(tiny_model(), compile=True)
+        aten_runs_avx = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+        assert config.cpp.vec_isa_ok is (True if aten_runs_avx and not probe else None)
+
+
 def test_default_scope_is_block_on_cpu_and_step_on_cuda():
     assert generate.Decoder(tiny_model(), compile=True).scope == "block"
     assert generate.Decoder(tiny_model()).scope is None  # eager: nothing compiled
