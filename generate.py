@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import resource
 import sys
 import time
@@ -21,7 +19,7 @@ from torch import Tensor, nn
 import cache as kvcache
 import ragged
 import tp
-from compilecache import dynamo_count, graph_count
+from compilecache import dynamo_count, graph_count, trust_cpu_vector_flags
 from kv import kvzip
 from kv.tiers import TierSpec, flush_caches, format_tier_report, tier_report
 from model import KVFastError, Transformer
@@ -151,19 +149,6 @@ def mark_capacity_dynamic(model: Transformer) -> None:
             for dim, size in enumerate(buffer.shape):
                 if size in slots:
                     torch._dynamo.maybe_mark_dynamic(buffer, dim)
-
-
-def trust_cpu_vector_flags() -> None:
-    """Let Inductor take its vector ISA from the CPU's flags instead of compiling and dlopen-ing a probe library
-    per ISA in every process (3.3 s cold, 0.5 s warm per ISA on a 2-core AVX2 EPYC; h2o's cold block-scope
-    compile 17.5 -> 9.0 s: README). Only where ATen itself runs AVX2 / AVX-512 kernels on this machine (so CPU
-    and OS support them); KVFAST_PROBE_VEC_ISA=1 keeps Inductor's probe."""
-    from torch._inductor import config
-
-    if os.environ.get("KVFAST_PROBE_VEC_ISA") == "1" or config.cpp.vec_isa_ok is not None:
-        return
-    if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        config.cpp.vec_isa_ok = True
 
 
 def default_compile_mode(device: str) -> str:
