@@ -8,7 +8,10 @@ Per (policy, scope), three runs of generate.py --compile, each in its own proces
             another machine of the same kind, given the saved artifacts)
 Reported: compile time (generate.py's warm-up: every compiled function reached once), graphs, recompiles and
 graph breaks (dynamo's counters over the whole run), first token after the model is loaded (compile +
-prefill), decode tok/s of the sample, and that speed against scope `step` of the same policy, same run.
+prefill), decode tok/s of the sample, and that speed against scope `step` of the same policy, same run. One
+64-token sample per process is noisy on a shared CPU, so the decode speeds are measured again in one process
+(scopes_worker: both scopes compiled from the cold runs' --compile-cache files, alternating rounds of timed
+steps, median and 10th percentile ms per step).
 
 Then many prompt lengths in one process (bench_lengths): one Decoder, ten prompts of 100-3000 tokens, with
 and without --capacity-buckets (padding to a few sizes) or --dynamic-capacity (a symbolic slot count), each setting in a fresh process with an empty Inductor cache: how many times
@@ -85,14 +88,71 @@ def bench_compile(checkpoint: Path, policies: list[str], prompt_len: int, new_to
                     inductor = cell / ("inductor" if run != "portable" else "inductor-portable")
                     runs[run] = run_generate(checkpoint, policy, scope, prompt, new_tokens, inductor, artifacts,
                                              budget)
-                results[policy][scope] = runs
+                results[policy][scope] = runs | {"artifacts": str(artifacts)}
                 cold, warm, portable = (runs[r] for r in RUNS)
                 step_speed = results[policy]["step"]["cold"]["tok_s"]
                 print(f"| {policy} | {scope} | {cold['compile_s']:.1f} | {warm['compile_s']:.1f} | "
                       f"{portable['compile_s']:.1f} | {cold['graphs']:.0f} | {cold['recompiles']:.0f} | "
                       f"{cold['graph_breaks']:.0f} | {cold['first_token_s']:.1f} | {portable['first_token_s']:.1f} | "
                       f"{cold['tok_s']:.1f} | {cold['tok_s'] / step_speed:.2f}x |", flush=True)
+        print(f"\ndecode, both scopes in one process: {AB_ROUNDS} alternating rounds of {new_tokens} timed steps after "
+              "a prefill, ms per step (median, 10th percentile)\n")
+        print("| policy | step ms | block ms | block vs step (median) | block vs step (p10) |")
+        print("|---|---|---|---|---|")
+        for policy in policies:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "scopes", str(checkpoint), policy, str(prompt),
+                   str(new_tokens), str(budget), *(results[policy][scope]["artifacts"] for scope in SCOPES)]
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / f"{policy}-ab")}
+            proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=ROOT)
+            if proc.returncode:
+                raise RuntimeError(f"scopes worker failed: {proc.stderr.strip().splitlines()[-1:]}")
+            ab = results[policy]["in_process"] = json.loads(proc.stdout.strip().splitlines()[-1])
+            step, block = ab["step"], ab["block"]
+            print(f"| {policy} | {step['median']:.1f} | {block['median']:.1f} | "
+                  f"{step['median'] / block['median']:.2f}x | {step['p10'] / block['p10']:.2f}x |", flush=True)
     return results
+
+
+AB_ROUNDS = 15
+
+
+def scopes_worker(checkpoint: str, policy: str, prompt: str, new_tokens: int, budget: float,
+                  artifacts: list[str]) -> dict:
+    """In this process: the model, a Decoder per scope (compiled from the cold runs' artifacts), then
+    AB_ROUNDS rounds that each prefill and decode new_tokens timed steps under every scope in turn."""
+    import statistics
+
+    import torch
+
+    from cache import make_cache_factory
+    from compilecache import CompileCache
+    from generate import Decoder, prefill
+    from model import Transformer
+    from tokenizer import load_tokenizer
+
+    for path in artifacts:
+        CompileCache(Path(path), "cpu").load()
+    model = Transformer.from_checkpoint(Path(checkpoint))
+    tokenizer = load_tokenizer(Path(checkpoint))
+    ids = tokenizer.encode(Path(prompt).read_text(), bos=tokenizer.add_bos)
+    idx = torch.tensor([ids])
+    model.setup_caches(make_cache_factory(policy, 1, model.args, idx.shape[1], new_tokens,
+                                          budget=None if policy == "full" else budget))
+    decoders = {scope: Decoder(model, compile=True, scope=scope) for scope in SCOPES}
+    for decoder in decoders.values():
+        decoder.warm_up(idx)
+    times: dict[str, list[float]] = {scope: [] for scope in SCOPES}
+    with torch.inference_mode():
+        for _ in range(AB_ROUNDS):
+            for scope, decoder in decoders.items():
+                for c in model.caches:
+                    c.reset()
+                first = prefill(model, idx, 0.0, None)
+                t0 = time.perf_counter()
+                decoder.decode(first, idx.shape[1], new_tokens)
+                times[scope].append((time.perf_counter() - t0) * 1e3 / new_tokens)
+    return {scope: {"median": statistics.median(t), "p10": statistics.quantiles(t, n=10)[0]}
+            for scope, t in times.items()}
 
 
 LENGTHS = [100 + round(i * 2900 / 9) for i in range(10)]  # 100 .. 3000 tokens
@@ -160,5 +220,9 @@ def bench_lengths(checkpoint: Path, policies: list[str], scope: str, settings: l
     return results
 
 
-if __name__ == "__main__":  # the worker of bench_lengths
-    print(json.dumps(lengths_worker(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))))
+if __name__ == "__main__":  # the workers of bench_compile and bench_lengths
+    if sys.argv[1] == "scopes":
+        print(json.dumps(scopes_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), float(sys.argv[6]),
+                                       sys.argv[7:])))
+    else:
+        print(json.dumps(lengths_worker(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))))

@@ -54,10 +54,15 @@ def prefill(model: Transformer, idx: Tensor, temperature: float, top_k: int | No
     return sample(model(idx), temperature, top_k)
 
 
+# Distinct layer shapes one compiled step may hold (a pyramid budget gives every layer its own capacity);
+# dynamo raises past it: --capacity-buckets / --dynamic-capacity keep the count small.
+MAX_BLOCK_SHAPES = 256
+
+
 def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
-                     top_k: int | None, recall: bool = False) -> tuple[Tensor, Tensor]:
+                     top_k: int | None, recall: bool = False, run_block: Callable | None = None) -> tuple[Tensor, Tensor]:
     """One decode step: x [B, 1] at input_pos [1] -> (next token [B, 1], logits [B, 1, V])."""
-    logits = model(x, input_pos, recall=recall)
+    logits = model(x, input_pos, recall=recall, run_block=run_block)
     return sample(logits, temperature, top_k), logits
 
 
@@ -67,10 +72,14 @@ def recall_and_decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor
     return decode_one_token(model, x, input_pos, temperature, top_k, recall=True)
 
 
-def run_block(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, recall: bool) -> Tensor:
-    """One TransformerBlock with its cache: what --compile-scope block compiles, once for every layer alike
-    (dynamo takes the layer's parameters and buffers as inputs, so same shapes = the same compiled code)."""
+def run_layer(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, recall: bool) -> Tensor:
     return layer(x, cos, sin, input_pos, recall)
+
+
+# --compile-scope block: one TransformerBlock with its cache as a nested compile region. Dynamo traces and Inductor
+# compiles it once and calls it for every layer of the same shapes (the layer's parameters and buffers are its
+# inputs), inside one graph per step; eager, a plain call.
+run_block = torch.compiler.nested_compile_region(run_layer, max_reuse_entries=MAX_BLOCK_SHAPES)
 
 
 def logits_and_sample(model: Transformer, h: Tensor, temperature: float,
@@ -79,17 +88,29 @@ def logits_and_sample(model: Transformer, h: Tensor, temperature: float,
     return sample(logits, temperature, top_k), logits
 
 
-class BlockStep:
-    """A decode step under --compile-scope block: embedding and RoPE lookup eager, each layer through one
-    compiled block, the head (norm is in hidden(); logits, sampling) compiled apart. Called as a step function."""
+class LayerwiseStep:
+    """--compile-scope block where the layers' caches differ in shape (a pyramid schedule): a nested region is
+    reused only for the static shapes it was traced with, so each layer calls one separately compiled layer
+    function instead (under --dynamic-capacity one or two graphs serve every layer), the head compiled apart."""
 
-    def __init__(self, block: Callable, head: Callable, recall: bool = False):
-        self.block, self.head, self.recall = block, head, recall
+    def __init__(self, layer: Callable, head: Callable, recall: bool = False):
+        self.layer, self.head, self.recall = layer, head, recall
 
     def __call__(self, model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
                  top_k: int | None) -> tuple[Tensor, Tensor]:
-        h = model.hidden(x, input_pos, self.recall, run_block=self.block)
+        h = model.hidden(x, input_pos, self.recall, run_block=self.layer)
         return self.head(model, h, temperature, top_k)
+
+
+def decode_by_blocks(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
+                     top_k: int | None) -> tuple[Tensor, Tensor]:
+    """--compile-scope block's decode step: decode_one_token with every layer through run_block."""
+    return decode_one_token(model, x, input_pos, temperature, top_k, run_block=run_block)
+
+
+def recall_and_decode_by_blocks(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
+                                top_k: int | None) -> tuple[Tensor, Tensor]:
+    return decode_one_token(model, x, input_pos, temperature, top_k, recall=True, run_block=run_block)
 
 
 def per_cache(fn: Callable[[nn.Module], None]) -> Callable[[Transformer], None]:
@@ -157,8 +178,8 @@ def default_compile_mode(device: str) -> str:
 
 
 def default_compile_scope(device: str) -> str:
-    """block on CPU: one compiled layer compiles ~4x faster cold than the traced step and decodes as fast (README,
-    "Compile latency"); step on CUDA, where one CUDA graph per step beats a launch per layer."""
+    """block on CPU: the step with one nested compile region for every layer compiles many times faster cold than
+    the fully traced step and decodes as fast (README, "Compile latency"); step on CUDA, where its cost was measured."""
     return "step" if device.startswith("cuda") else "block"
 
 
@@ -177,7 +198,7 @@ class Decoder:
         self.refresh = refresh_caches
         self.flush = flush_tiers
         self.prefill = prefill
-        self.mode, self.scope = None, None
+        self.mode, self.scope, self.block_steps = None, None, None
         if (compile or compile_prefill) and next(model.parameters()).device.type == "cpu":
             trust_cpu_vector_flags()
         if compile:
@@ -196,15 +217,32 @@ class Decoder:
                 self.step_recall = compiled(recall_and_decode_one_token)
                 self.refresh = refresh_as_compiled(compiled(refresh_caches))
                 self.flush = compiled(flush_tiers)
-            else:  # regional: one layer's graph serves every layer of the same shapes
-                block, head = compiled(run_block), compiled(logits_and_sample)
-                self.step, self.step_recall = BlockStep(block, head), BlockStep(block, head, recall=True)
+            else:  # regional: one graph per step, in which one compiled layer serves every layer of its shapes
+                # process-wide: a float a module attribute held with another value in an earlier compile (an eps,
+                # a policy's parameter) would otherwise turn symbolic, and a nested region takes no float inputs
+                torch._dynamo.config.specialize_float = True
+                # static shapes but under --dynamic-capacity: an int seen with another value in an earlier compile
+                # (a batch size, a capacity) would turn symbolic, and a nested region reuses its code only for
+                # the static shapes it was traced with (with a symbol it met specialized inside, stamping it
+                # out for the next layer fails in dynamo)
+                nested = partial(compiled, dynamic=None if self.dynamic_capacity else False)
+                layer, head = compiled(run_layer), compiled(logits_and_sample)
+                self.block_steps = {False: (nested(decode_by_blocks), nested(recall_and_decode_by_blocks)),
+                                    True: (LayerwiseStep(layer, head), LayerwiseStep(layer, head, recall=True))}
+                self.step, self.step_recall = self.block_steps[False]
                 self.refresh = refresh_as_compiled(per_cache(compiled(refresh_cache)))
                 self.flush = per_cache(compiled(flush_cache))
         if compile_prefill:
             if kvzip.needs_context_pass(model):
                 raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
             self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+
+    def choose_block_step(self) -> None:
+        """Block scope: the nested-region step where every layer's cache has the same shapes, else the layerwise
+        step; read when decoding starts, as the caches may have been installed after us (eval)."""
+        if self.block_steps:
+            shapes = {tuple(b.shape for b in c.buffers()) for c in self.model.caches}
+            self.step, self.step_recall = self.block_steps[len(shapes) > 1]
 
     def refresh_interval(self) -> int | None:
         return getattr(self.model.caches[0], "refresh_interval", None)
@@ -224,6 +262,7 @@ class Decoder:
         model, S = self.model, idx.shape[1]
         if self.dynamic_capacity:
             mark_capacity_dynamic(model)
+        self.choose_block_step()
         refreshes = steps if self.refresh_interval() else 0
         tiers = self.tiers()
         devices = [idx.device] if idx.device.type == "cuda" else []
@@ -265,6 +304,7 @@ class Decoder:
         out = []
         if self.dynamic_capacity:  # caches set up after the warm-up (eval installs its own)
             mark_capacity_dynamic(self.model)
+        self.choose_block_step()
         input_pos = torch.tensor([start_pos], dtype=torch.long, device=x.device)
         interval, tiers = self.refresh_interval(), self.tiers()
         for i in range(n):

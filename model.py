@@ -351,18 +351,18 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = make_cache(i)
 
     def forward(self, idx: Tensor, input_pos: Tensor | None = None, all_logits: bool = False,
-                recall: bool = False) -> Tensor:
+                recall: bool = False, run_block: Callable | None = None) -> Tensor:
         """idx: [B, S]. input_pos None = prefill of a fresh sequence at positions 0..S-1 (returns the last
         position's logits, [B, 1, V], unless all_logits); else one decode token at input_pos ([1]), which
         first recalls evicted tokens into the caches if `recall` (a tiered cache, kv.tiers), or a chunk of
         tokens at consecutive positions input_pos [S] (the full cache only: speculate.py's verification)."""
-        h = self.hidden(idx, input_pos, recall)
+        h = self.hidden(idx, input_pos, recall, run_block)
         return self.logits(h if all_logits else h[:, -1:])
 
     def hidden(self, idx: Tensor, input_pos: Tensor | None = None, recall: bool = False,
                run_block: Callable | None = None) -> Tensor:
         """The final hidden states; run_block(layer, x, cos, sin, input_pos, recall) runs each layer instead of
-        calling it (generate.py's --compile-scope block: one compiled block for every layer)."""
+        calling it (generate.py's --compile-scope block: one nested compile region for every layer)."""
         if input_pos is None:
             cos, sin = self.rope_cos[: idx.shape[1]], self.rope_sin[: idx.shape[1]]
         elif getattr(self.layers[0].attention.kv_cache, "pos_shift", False):

@@ -45,15 +45,9 @@ def verify_tokens(model: Transformer, tokens: Tensor, input_pos: Tensor) -> Tens
     return model(tokens, input_pos, all_logits=True)
 
 
-def run_chunk_block(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor,
-                    recall: bool) -> Tensor:
-    """run_block for the verification chunk: a function of its own, so dynamo compiles the (K + 1)-token block
-    apart from the one-token block instead of making the sequence length dynamic in both."""
-    return run_block(layer, x, cos, sin, input_pos, recall)
-
-
-def all_logits(model: Transformer, h: Tensor) -> Tensor:
-    return model.logits(h)
+def verify_by_blocks(model: Transformer, tokens: Tensor, input_pos: Tensor) -> Tensor:
+    """verify_tokens with every layer through generate.run_block (--compile-scope block)."""
+    return model(tokens, input_pos, all_logits=True, run_block=run_block)
 
 
 def accept(drafts: Tensor, draft_probs: Tensor | None, logits: Tensor, temperature: float,
@@ -89,14 +83,9 @@ class Speculator:
                               "use --batch-size 1")
         self.model, self.decoder, self.k = model, decoder, k
         self.target, self.draft = model.caches, draft_caches
-        self.verify = verify_tokens
-        if decoder.scope == "block":
-            # dynamic=False: another K is another static graph, never a dynamic chunk length
-            block = torch.compile(run_chunk_block, mode=decoder.mode, fullgraph=True, dynamic=False)
-            head = torch.compile(all_logits, mode=decoder.mode, fullgraph=True, dynamic=False)
-            self.verify = lambda m, tokens, pos: head(m, m.hidden(tokens, pos, run_block=block))
-        elif decoder.scope == "step":
-            self.verify = torch.compile(verify_tokens, mode=decoder.mode, fullgraph=True, dynamic=False)
+        self.verify = verify_by_blocks if decoder.scope == "block" else verify_tokens
+        if decoder.scope:  # dynamic=False: another K is another static graph, never a dynamic chunk length
+            self.verify = torch.compile(self.verify, mode=decoder.mode, fullgraph=True, dynamic=False)
         self.rounds = self.drafted = self.accepted = 0
 
     def use(self, caches: list[nn.Module]) -> None:

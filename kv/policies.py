@@ -230,8 +230,9 @@ class TOVACache(KVCache):
         self.add_state("last_attn", (self.batch_size, self.n_kv_heads, self.capacity))
 
     def layer_scores(self, per_group: Tensor) -> Tensor:
-        # the policy's own slots only: recall slots (kv.tiers) hold each KV head's own pages
-        own = self.slot_pos[..., : self.capacity - self.recall_slots]
+        # the policy's own slots only: recall slots (kv.tiers) hold each KV head's own pages; sliced by the
+        # buffer's size, not the int capacity, which would specialize a --dynamic-capacity graph to one capacity
+        own = self.slot_pos[..., : self.slot_pos.shape[-1] - self.recall_slots]
         aligned = (own == own[:, :1]).flatten(1).all(dim=1).view(-1, 1, 1)
         return torch.where(aligned, per_group.mean(dim=1, keepdim=True).expand_as(per_group), per_group)
 

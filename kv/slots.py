@@ -376,7 +376,7 @@ class KVCache(nn.Module):
 
     def recall_positions(self) -> Tensor:
         """slot_pos of the tiers' recall slots, [B, H_kv, R] (a view: the last R slots of each KV head)."""
-        return self.slot_pos[..., self.capacity - self.recall_slots :]
+        return self.slot_pos[..., self.slot_pos.shape[-1] - self.recall_slots :]
 
     def put_recall(self, buffer: Tensor, index: Tensor, value: Tensor) -> None:
         """Write value [B, H_kv, n, *row] into recall slots `index` [B, H_kv, n] (0 .. R - 1) of a slot-shaped buffer."""

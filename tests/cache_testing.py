@@ -35,6 +35,34 @@ def single_thread_fixture():
         yield
 
 
+@contextmanager
+def recorded_graphs():
+    """Every graph torch.compile hands to Inductor inside the block (the list it yields), compiled as usual;
+    compile modes are dropped (CPU: default)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs, compile = [], torch.compile
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    def recording(fn, **kw):
+        return compile(fn, backend=backend, fullgraph=kw.get("fullgraph", False), dynamic=kw.get("dynamic"))
+
+    torch.compile = recording
+    try:
+        yield graphs
+    finally:
+        torch.compile = compile
+
+
+def block_regions(graph: torch.fx.GraphModule) -> int:
+    """Nested compile regions a graph holds: the TransformerBlock's distinct compiled versions (generate.run_block
+    under --compile-scope block: each is traced and compiled once, then called for every layer it fits)."""
+    return sum(name.startswith("subgraph") for name, _ in graph.named_children())
+
+
 def tiny_args(n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 8) -> ModelArgs:
     return ModelArgs(dim=32, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                      intermediate_size=48, vocab_size=64, max_seq_len=1024, tie_embeddings=False)

@@ -92,7 +92,6 @@ def test_ten_prompt_lengths_compile_at_most_twice(scope):
     of 8 would end a tenth)."""
     model = tiny_model()
     decoder = generate.Decoder(model, compile=True, scope=scope)
-    per_graph = 2 if scope == "block" else 1  # block scope: the layer's graph and the head's
     lengths = [20, 60, 110, 160, 200, 240, 300, 420, 600, 900]
     for buckets, most in (("x4", 2), (None, 6)):
         torch._dynamo.reset()
@@ -103,7 +102,7 @@ def test_ten_prompt_lengths_compile_at_most_twice(scope):
             caps.add(model.caches[0].capacity)
             decoder.warm_up(torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(n)))
         assert len(caps) == most
-        assert counters["stats"]["unique_graphs"] == per_graph - 1 + most
+        assert counters["stats"]["unique_graphs"] == most  # block scope too: one graph per step
         if buckets:
             assert not counters["recompiles"]  # a bucket seen before reuses its graph
 
@@ -121,7 +120,7 @@ def test_dynamic_capacity_compiles_once_for_every_prompt_length(policy, budget, 
     model = tiny_model()
     counters.clear()
     decoder = generate.Decoder(model, compile=True, scope=scope, dynamic_capacity=True)
-    functions = 2 if scope == "block" else 1  # scissorhands' refresh runs eagerly (compile_refresh)
+    functions = 1  # the step (block scope too); scissorhands' refresh runs eagerly (compile_refresh)
     lengths = [100, 115, 130, 150, 170, 190, 210, 230, 260, 300]
     caps = set()
     for i, n in enumerate(lengths):
@@ -164,8 +163,9 @@ def test_generate_cli_reports_buckets_and_rejects_bad_ones(tmp_path, capsys):
 
 @pytest.mark.parametrize("policy", ["pyramidkv", "h2o"])
 def test_dynamic_capacity_gives_one_block_graph_for_pyramid_layers(policy):
-    """--compile-scope block with a pyramid schedule: every layer has its own capacity, so static shapes
-    compile a block graph per layer; a dynamic capacity compiles one or two for all of them."""
+    """--compile-scope block with a pyramid schedule: every layer has its own capacity, so the step runs each
+    layer through a compiled layer function (generate.LayerwiseStep): static shapes compile it per layer, a
+    dynamic capacity once or twice for all of them."""
     model = tiny_model(n_layers=4)
     prompt = torch.randint(0, 64, (1, 200), generator=torch.Generator().manual_seed(5))
     factory = partial(make_cache_factory, policy, 1, model.args, 200, N_NEW, budget=0.3, layer_budget="pyramid")

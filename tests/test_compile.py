@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_testing import generate_tokens, single_thread_fixture, small_factory, tiny_model
+from cache_testing import (
+    block_regions,
+    generate_tokens,
+    recorded_graphs,
+    single_thread_fixture,
+    small_factory,
+    tiny_model,
+)
 from torch._dynamo.utils import counters
 
 import compilecache
@@ -77,23 +84,44 @@ def test_default_scope_is_block_on_cpu_and_step_on_cuda():
 @pytest.mark.parametrize("policy, tiers", [("h2o", None), ("scissorhands", None), ("expected_attention", None),
                                            ("h2o", {"warm_tokens": 1.0, "page_size": 4, "recall_slots": 4})])
 def test_block_scope_compiles_one_block_for_every_layer(policy, tiers):
-    """--compile-scope block: one graph for all layers (and one for the head, one for a compiled refresh:
-    expected_attention's, not scissorhands'; tiers: a recalling block and the flush), nothing recompiles in the sample, tokens equal eager decoding."""
-    model = tiny_model()
-    assert len(model.layers) >= 2
+    """--compile-scope block: one graph per step in which the TransformerBlock is one nested region, traced and
+    compiled once for all layers (plus a graph for a compiled refresh: expected_attention's, not scissorhands';
+    tiers: the recalling step and the flush); nothing recompiles in the sample; tokens equal eager decoding."""
+    model = tiny_model(n_layers=3)
     prompt = torch.randint(0, 64, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     model.setup_caches(small_factory(policy, 2, model.args, PROMPT_LEN, N_NEW, **({"tiers": tiers} if tiers else {})))
     eager = generate_tokens(model, prompt, N_NEW)
-    decoder = generate.Decoder(model, compile=True, scope="block")
-    compiles_refresh = decoder.refresh_interval() is not None and model.caches[0].compile_refresh
-    before, recompiles = graphs(), sum(counters["recompiles"].values())
-    decoder.warm_up(prompt)
-    assert graphs() - before == 2 + compiles_refresh + 2 * bool(tiers)  # not one per layer
+    with recorded_graphs() as recorded:
+        decoder = generate.Decoder(model, compile=True, scope="block")
+        compiles_refresh = decoder.refresh_interval() is not None and model.caches[0].compile_refresh
+        recompiles = sum(counters["recompiles"].values())
+        decoder.warm_up(prompt)
+        steps = [g for g in recorded if block_regions(g)]
+        assert len(recorded) == 1 + compiles_refresh + 2 * bool(tiers)
+        assert [block_regions(g) for g in steps] == [1] * (1 + bool(tiers))  # one block, not one per layer
+        assert sum(counters["recompiles"].values()) == recompiles
+        compiled = generate_tokens(model, prompt, N_NEW, decoder)
+        assert len(recorded) == 1 + compiles_refresh + 2 * bool(tiers), "the sample compiled"
     assert sum(counters["recompiles"].values()) == recompiles
-    warm = graphs()
-    compiled = generate_tokens(model, prompt, N_NEW, decoder)
-    assert graphs() == warm and sum(counters["recompiles"].values()) == recompiles, "the sample compiled"
     assert torch.equal(compiled, eager)
+
+
+def test_block_scope_traces_the_block_once_whatever_the_depth():
+    """What makes block scope compile fast: dynamo traces the block once, so a deeper model adds one region call
+    per layer to the step's graph, where step scope traces every layer's operations again."""
+    prompt = torch.randint(0, 64, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(2))
+    captured = {}
+    for scope in ("block", "step"):
+        for n_layers in (2, 4):
+            torch._dynamo.reset()
+            counters.clear()
+            model = tiny_model(n_layers=n_layers)
+            model.setup_caches(small_factory("h2o", 1, model.args, PROMPT_LEN, N_NEW))
+            generate.Decoder(model, compile=True, scope=scope).warm_up(prompt)
+            captured[scope, n_layers] = counters["stats"]["calls_captured"]
+    per_layer = {scope: (captured[scope, 4] - captured[scope, 2]) / 2 for scope in ("block", "step")}
+    assert per_layer["block"] <= 2, captured
+    assert per_layer["step"] >= 10, captured
 
 
 # ---- the CLI --------------------------------------------------------------------------------------------
@@ -215,7 +243,9 @@ def test_compile_mode_reaches_every_compiled_function(monkeypatch):
     assert decoder.mode == "max-autotune-no-cudagraphs"
     seen.clear()
     generate.Decoder(model, compile=True, mode=mode, scope="block")
-    assert seen == [(name, mode) for name in ("run_block", "logits_and_sample", "refresh_cache", "flush_cache")]
+    assert sorted(seen) == sorted((name, mode) for name in  # the layerwise step's layer and head too
+                                  ("decode_by_blocks", "recall_and_decode_by_blocks", "run_layer",
+                                   "logits_and_sample", "refresh_cache", "flush_cache"))
     assert generate.Decoder(model, compile=True).mode == "default"  # CPU; reduce-overhead on CUDA
 
 
@@ -225,3 +255,19 @@ def test_new_flags_have_help(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
     assert "--compile-mode {default,max-autotune-no-cudagraphs,reduce-overhead} torch.compile mode" in out
     assert "--compile-cache FILE load compiled code from FILE" in out
+
+
+def test_block_scope_compiles_runs_that_differ_in_ints_and_floats_in_one_process():
+    """Runs in one process (eval's cells, the tests) whose batch size, capacity or an eps differ: dynamo's
+    automatic dynamic shapes would make those symbolic, which a nested region cannot stamp out per layer; block
+    scope compiles them static, each run equal to eager."""
+    torch._dynamo.reset()
+    for seed, (batch, eps, policy) in enumerate([(1, 1e-5, "h2o"), (2, 1e-6, "h2o"), (2, 1e-6, "tova")]):
+        model = tiny_model(seed=seed)
+        for layer in model.layers:
+            layer.attention_norm.eps = layer.ffn_norm.eps = eps
+        model.setup_caches(small_factory(policy, batch, model.args, PROMPT_LEN + seed, N_NEW))
+        prompt = torch.randint(0, 64, (batch, PROMPT_LEN + seed), generator=torch.Generator().manual_seed(seed))
+        eager = generate_tokens(model, prompt, N_NEW)
+        decoder = generate.Decoder(model, compile=True, scope="block")
+        assert torch.equal(generate_tokens(model, prompt, N_NEW, decoder), eager), (batch, eps, policy)
