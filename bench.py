@@ -177,7 +177,7 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
 
 # ---- policies: decode step time at long context --------------------------------------------------------------
 def step_time(model: Transformer, policy: str, context_len: int, budget: float | None, steps: int,
-              repeats: int, **cache_kwargs) -> tuple[float, int]:
+              repeats: int, scope: str = "step", **cache_kwargs) -> tuple[float, int]:
     """Median seconds per compiled decode step with the caches filled as after `context_len` tokens.
 
     The cached K/V are random (kvcache.setup_decode_benchmark): the model's own 4k prefill would cost minutes
@@ -186,7 +186,7 @@ def step_time(model: Transformer, policy: str, context_len: int, budget: float |
     kwargs = cache_kwargs if budget is None else {"budget": budget, **cache_kwargs}
     kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=new, **kwargs)
     torch._dynamo.reset()  # new cache buffers: start from a clean compile cache (dynamo's recompile limit)
-    decoder = Decoder(model, compile=True, scope="step")
+    decoder = Decoder(model, compile=True, scope=scope)
     pos, times = context_len, []
     with torch.inference_mode():
         x = torch.tensor([[42]])  # an inference tensor like every later input: one graph
@@ -200,23 +200,25 @@ def step_time(model: Transformer, policy: str, context_len: int, budget: float |
 
 
 def bench_policies(model: Transformer, args: argparse.Namespace) -> dict:
-    policies = args.policies or [p for p in kvcache.POLICIES if p != "full"]
+    # full is every table's first row (and has no budget): listed again, it is not repeated
+    policies = [p for p in args.policies or kvcache.POLICIES if p != "full"]
     results = {}
-    print(f"\ndecode step time (ms), compiled (whole step), budget {args.budget:g} of context + new tokens; bookkeeping ="
+    print(f"\ndecode step time (ms), compiled (--compile-scope {args.compile_scope}), budget {args.budget:g} of context + new tokens; bookkeeping ="
           f" (step - step of a full cache with as many slots) / step\n")
     print("| policy | " + " | ".join(f"{n} tokens: step (speed-up vs full), bookkeeping" for n in args.lengths) + " |")
     print("|---|" + "---|" * len(args.lengths))
-    full = {n: step_time(model, "full", n, None, args.steps, args.repeats)[0] for n in args.lengths}
+    timed = partial(step_time, steps=args.steps, repeats=args.repeats, scope=args.compile_scope)
+    full = {n: timed(model, "full", n, None)[0] for n in args.lengths}
     print("| full | " + " | ".join(f"{1e3 * full[n]:.1f}" for n in args.lengths) + " |", flush=True)
     results["full"] = {n: {"step_s": full[n]} for n in args.lengths}
     same_slots: dict[int, float] = {}  # capacity -> step time of a full cache with that many slots
     for policy in policies:
         cells, results[policy] = [], {}
         for n in args.lengths:
-            t, capacity = step_time(model, policy, n, args.budget, args.steps, args.repeats)
+            t, capacity = timed(model, policy, n, args.budget)
             if capacity not in same_slots:
                 new = args.steps * (args.repeats + 1) + 1
-                same_slots[capacity] = step_time(model, "full", capacity - new, None, args.steps, args.repeats)[0]
+                same_slots[capacity] = timed(model, "full", capacity - new, None)[0]
             t_slots = same_slots[capacity]
             share = max(t - t_slots, 0.0) / t
             results[policy][n] = {"step_s": t, "capacity": capacity, "same_slots_full_step_s": t_slots,
@@ -308,7 +310,7 @@ def bench_kv_bits(model: Transformer, checkpoint: Path, args: argparse.Namespace
         for bits in (None, 8, 4):
             cells, row = [], {}
             for n in args.lengths:
-                t, _ = step_time(model, policy, n, budget, args.steps, args.repeats, kv_bits=bits)
+                t, _ = step_time(model, policy, n, budget, args.steps, args.repeats, args.compile_scope, kv_bits=bits)
                 kv_mb = sum(c.physical_bytes() for c in model.caches) / 1e6
                 base.setdefault(n, t)
                 row[n] = {"step_s": t, "kv_MB": kv_mb}
@@ -398,6 +400,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="policies, kv-bits and prefill tables: prompts (default: 512 2048 4096); tiers and speculate "
                         "tables: (default: 4096)")
+    p.add_argument("--compile-scope", choices=["step", "block"], default="step",
+                   help="policies, kv-bits and tiers tables: compile the whole step (as their README tables were taken) or "
+                        "one nested block region per step (generate.py's default on CPU)")
     p.add_argument("--budget", type=float, default=0.25, help="policies, kv-bits and tiers tables: cache budget")
     p.add_argument("--steps", type=int, default=16,
                    help="policies and kv-bits tables: decode steps per timed repeat; tiers table: steps per timed "

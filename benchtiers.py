@@ -25,7 +25,7 @@ TIER_SPAN = 256  # steps of the average: recall every --recall-interval, flush e
 
 
 def tier_step_times(model: Transformer, policy: str, context_len: int, budget: float, tiers: dict | None,
-                    steps: int, repeats: int, span: int = TIER_SPAN) -> dict:
+                    steps: int, repeats: int, span: int = TIER_SPAN, scope: str = "step") -> dict:
     """Compiled decode steps with caches filled as after context_len tokens (setup_decode_benchmark: random hot
     K/V; with tiers, a full warm store of random pages), refilled before every measurement so each starts from
     the same state at position context_len. Sized for context_len + span + 1 tokens either way, so the plain and
@@ -39,7 +39,7 @@ def tier_step_times(model: Transformer, policy: str, context_len: int, budget: f
     kwargs = {"budget": budget, **({"tiers": tiers} if tiers else {})}
     factory = kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=span + 1, **kwargs)
     torch._dynamo.reset()  # new cache buffers: start from a clean compile cache (dynamo's recompile limit)
-    decoder = Decoder(model, compile=True, scope="step")
+    decoder = Decoder(model, compile=True, scope=scope)
     spec, interval = factory.tiers, decoder.refresh_interval()
     generator = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
@@ -106,7 +106,7 @@ def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
     policies = args.policies or ["h2o"]
     lengths = args.lengths or [4096]
     tiers = tier_settings(args)
-    print(f"\ntiers: decode step time (ms), compiled (whole step), median of {args.repeats}; budget {args.budget:g} of context + "
+    print(f"\ntiers: decode step time (ms), compiled (--compile-scope {args.compile_scope}), median of {args.repeats}; budget {args.budget:g} of context + "
           f"{TIER_SPAN + 1} new tokens, the same hot slots for both (the tiered cache's recall slots among them); "
           f"warm store {tiers['warm_tokens']:g} of the tokens at {tiers['warm_bits']:g} bits, pages of "
           f"{tiers['page_size']:g}, a recall installing at most {tiers['recall_installs']:g} of the recall pages (hits stay). "
@@ -125,8 +125,10 @@ def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
     for policy in policies:
         results[policy] = {}
         for n in lengths:
-            base = tier_step_times(model, policy, n, args.budget, None, args.steps, args.repeats)
-            warm = tier_step_times(model, policy, n, args.budget, tiers, args.steps, args.repeats)
+            base = tier_step_times(model, policy, n, args.budget, None, args.steps, args.repeats,
+                                   scope=args.compile_scope)
+            warm = tier_step_times(model, policy, n, args.budget, tiers, args.steps, args.repeats,
+                                   scope=args.compile_scope)
             ratios = {"step": warm["step_s"] / base["step_s"], "recall": warm["recall_s"] / base["step_s"],
                       "avg": warm["span_s"] / base["span_s"], "sparse_avg": warm["sparse_span_s"] / base["span_s"]}
             results[policy][n] = {"plain": base, "tiered": warm, "ratios": ratios, "tier_settings": tiers}
