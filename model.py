@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: bool,
-           fuse_one_query: bool = True) -> tuple[Tensor, Tensor | None]:
+           fuse_one_query: bool = True, channel_blocks: Callable | None = None) -> tuple[Tensor, Tensor | None]:
     """The one attention call site. q: [B, H, S, D]; k, v: [B, H_kv, T, D] (never repeated to H heads).
 
     mask None means causal attention of S queries over the same S keys (prefill on fresh K/V); otherwise
@@ -172,13 +173,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
 
     k, v of shape [B, P, D] are a layer's pool shared by its KV heads (kv.pool): see attend_pool. A compiled
     CPU decode step (one query) takes attend_one_query (attend_pool_one_query) instead of SDPA or matmuls,
-    unless the cache says otherwise (4-bit K/V: KVCache.fuse_one_query).
+    unless the cache says otherwise (4-bit K/V: KVCache.fuse_one_query); it then reads channel_blocks() instead
+    of k, v where given (KVCache.channel_blocks: 4-bit K/V as two halves of channels).
     """
     B, H, S, D = q.shape
     if (fuse_one_query and mask is not None and S == 1 and q.device.type == "cpu"
             and torch.compiler.is_compiling()):
-        one_query = attend_pool_one_query if k.dim() == 3 else attend_one_query
-        return one_query(q, k, v, mask, want_probs)
+        if k.dim() == 3:
+            return attend_pool_one_query(q, k, v, mask, want_probs)
+        if channel_blocks is not None:
+            k, v = channel_blocks()
+        return attend_one_query(q, k, v, mask, want_probs)
     if k.dim() == 3:
         return attend_pool(q, k, v, mask, want_probs)
     n_kv = k.shape[1]
@@ -202,18 +207,26 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     return out.view(B, H, S, D), probs
 
 
-def attend_one_query(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+def attend_one_query(q: Tensor, k: Tensor | tuple[Tensor, ...], v: Tensor | tuple[Tensor, ...], mask: Tensor,
                      want_probs: bool = False) -> tuple[Tensor, Tensor | None]:
     """A decode step's attention (one query per row) as multiply-and-sum reductions, inside a compiled CPU graph.
     SDPA's CPU kernel (and a matmul's, when a policy wants the probabilities) has a fixed cost per call that
     dwarfs one query's work (3 KV heads x 512 keys: ~90 us for ~1 MB of K/V) and splits the step's graph at
     every layer; as reductions Inductor fuses the attention into the layer's kernels (int8 decode step at 512
-    tokens, whole-step graph: 11.4 -> 9.1 ms; README). probs as attend returns them."""
+    tokens, whole-step graph: 11.4 -> 9.1 ms; README). probs as attend returns them.
+
+    k and v may come as tuples of channel blocks (concatenated along the last dim they are k and v: 4-bit K/V's
+    halves, KVCache.channel_blocks), each block reduced apart, so no reduction reads a concatenation."""
     B, H, _, D = q.shape
-    n_kv = k.shape[1]
-    scores = (q.view(B, n_kv, H // n_kv, 1, D) * k.unsqueeze(2)).sum(-1) * (1.0 / math.sqrt(D))
+    k_blocks, v_blocks = (x if isinstance(x, tuple) else (x,) for x in (k, v))
+    n_kv = k_blocks[0].shape[1]
+    q_blocks = q.view(B, n_kv, H // n_kv, 1, D).split([b.shape[-1] for b in k_blocks], dim=-1)
+    scores = reduce(torch.add, [(qb * kb.unsqueeze(2)).sum(-1) for qb, kb in zip(q_blocks, k_blocks)])
+    scores = scores * (1.0 / math.sqrt(D))
     probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)  # [B, n_kv, g, T]
-    out = (probs.type_as(v).unsqueeze(-1) * v.unsqueeze(2)).sum(-2).view(B, H, 1, D)
+    p = probs.type_as(v_blocks[0]).unsqueeze(-1)
+    outs = [(p * vb.unsqueeze(2)).sum(-2) for vb in v_blocks]
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(B, H, 1, D)
     return out, probs.unsqueeze(3) if want_probs else None
 
 
@@ -297,8 +310,9 @@ class Attention(nn.Module):
         k_all, v_all, mask = cache.update(input_pos, k, v)
         if cos is None:
             q = cache.rotate_query(q)
-        out, probs = attend(q, k_all, v_all, mask, want_probs=cache.needs_attention,
-                            fuse_one_query=getattr(cache, "fuse_one_query", True))  # wrappers: fused
+        out, probs = attend(q, k_all, v_all, mask, want_probs=cache.needs_attention,  # wrappers: fused
+                            fuse_one_query=getattr(cache, "fuse_one_query", True),
+                            channel_blocks=getattr(cache, "channel_blocks", None))
         if probs is not None:
             cache.observe(probs)
         return self.output(out)

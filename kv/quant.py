@@ -52,6 +52,29 @@ def unpack(codes: Tensor, bits: int) -> Tensor:
     return torch.cat([codes & 15, codes >> 4], -1) if bits == 4 else codes
 
 
+def halves_share_groups(head_dim: int, group_size: int) -> bool:
+    """Can 4-bit codes be dequantized as their two halves of channels apart (dequantize_halves)? Yes when no
+    scale group straddles the middle channel."""
+    return group_size == head_dim or (head_dim // 2) % group_size == 0
+
+
+def dequantize_halves(codes: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """4-bit token codes (quantize_tokens) -> channels [0, D/2) and [D/2, D), each [..., D/2] in `dtype`: the
+    low and the high nibbles, so neither needs the other's bytes. dequantize_tokens concatenates them, which
+    inside a fused reduction costs a select per element (a 4096-token attention 18x slower)."""
+    n_groups = scale.shape[-1]
+    halves = []
+    for half, nibbles in enumerate((codes & 15, codes >> 4)):
+        *lead, width = nibbles.shape
+        if n_groups == 1:
+            s, z = scale, zero
+        else:
+            s, z = (t[..., half * n_groups // 2 : (half + 1) * n_groups // 2] for t in (scale, zero))
+        groups = nibbles.float().reshape(*lead, s.shape[-1], width // s.shape[-1])
+        halves.append((groups * s[..., None] + z[..., None]).reshape(*lead, width).to(dtype))
+    return halves[0], halves[1]
+
+
 def quantize_channels(x: Tensor, bits: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """x [..., T, D] -> codes uint8 [..., T, storage_width], scale and zero fp32 [..., 1, D]: per channel over
     the T tokens (those where valid [..., T] is True; the others get codes but do not widen the range)."""

@@ -32,12 +32,13 @@ Hooks a policy may override (each a few lines):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from kv.quant import dequantize_tokens, quantize_tokens, storage_width
+from kv.quant import dequantize_halves, dequantize_tokens, halves_share_groups, quantize_tokens, storage_width
 from model import KVFastError, ModelArgs, apply_rope, rope_at
 
 INF = float("inf")
@@ -213,8 +214,22 @@ class KVCache(nn.Module):
     @property
     def fuse_one_query(self) -> bool:
         """May a compiled CPU decode step attend through model.attend_one_query? Its fused reductions dequantize
-        8-bit codes in place, but unpacking 4-bit ones there cost 1.4x SDPA over the unpacked K/V (README)."""
-        return self.kv_bits != 4
+        8-bit codes in place, and 4-bit ones as two halves of channels (channel_blocks); where those cannot be
+        had, unpacking 4-bit codes into one tensor there costs 1.4x SDPA over the unpacked K/V (README)."""
+        return self.kv_bits != 4 or self.channel_blocks is not None
+
+    @property
+    def channel_blocks(self) -> Callable[[], tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] | None:
+        """What model.attend_one_query reads instead of keys_values() (None: keys_values): for 4-bit K/V, every
+        slot's K and V as their two halves of channels, dequantized apart. Not with pos_shift (RoPE mixes the
+        halves) or a scale group across the middle channel."""
+        if self.kv_bits == 4 and not self.pos_shift and halves_share_groups(self.head_dim, self.kv_group_size):
+            return self.key_value_halves
+        return None
+
+    def key_value_halves(self) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        return (dequantize_halves(self.k, self.k_scale, self.k_zero, self.dtype),
+                dequantize_halves(self.v, self.v_scale, self.v_zero, self.dtype))
 
     def keys_values(self) -> tuple[Tensor, Tensor]:
         """Every slot's K and V [B, H_kv, C, D] in the compute dtype (dequantized if kv_bits; keys rotated to

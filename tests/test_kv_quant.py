@@ -9,7 +9,14 @@ from torch._dynamo.utils import counters
 
 import cache as kvcache
 from generate import Decoder
-from kv.quant import dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens
+from kv.quant import (
+    dequantize_channels,
+    dequantize_halves,
+    dequantize_tokens,
+    quantize_channels,
+    quantize_tokens,
+)
+from model import attend, attend_one_query
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -50,6 +57,64 @@ def test_four_bit_layout():
     codes, scale, zero = quantize_tokens(x, 4, 16)
     assert (scale.item(), zero.item()) == (1.0, 0.0)
     assert codes.tolist() == [[j | ((j + 8) << 4) for j in range(8)]]  # channel j low, j + D/2 high
+
+
+@pytest.mark.parametrize("group_size", [2, 4, 16])
+def test_four_bit_halves_are_the_dequantized_channels(group_size):
+    x = torch.randn(2, 3, 5, 16)
+    parts = quantize_tokens(x, 4, group_size)
+    lo, hi = dequantize_halves(*parts, torch.float32)
+    assert torch.equal(torch.cat([lo, hi], -1), dequantize_tokens(*parts, 4, torch.float32))
+
+
+def test_attention_over_channel_blocks_equals_attention_over_the_whole():
+    """attend_one_query reads 4-bit K/V as two halves of channels (KVCache.channel_blocks), each reduced apart:
+    the same output and probabilities as the concatenated K/V through the same function and through SDPA."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 6, 1, 16, generator=g), torch.randn(2, 3, 40, 16, generator=g), torch.randn(2, 3, 40, 16)
+    mask = torch.rand(2, 3, 1, 40, generator=g) < 0.8
+    whole, probs = attend_one_query(q, k, v, mask, want_probs=True)
+    halves, probs_halves = attend_one_query(q, k.split(8, -1), v.split(8, -1), mask, want_probs=True)
+    torch.testing.assert_close(halves, whole)
+    torch.testing.assert_close(probs_halves, probs)
+    torch.testing.assert_close(halves, attend(q, k, v, mask, want_probs=False)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_four_bit_caches_fuse_their_attention_where_the_halves_fit():
+    model = tiny_model()
+    for kw, blocks in [({}, True), ({"kv_group_size": 4}, True), ({"pos_shift": True}, False)]:
+        policy = "window" if kw.get("pos_shift") else "h2o"
+        model.setup_caches(small_factory(policy, 1, model.args, 24, 8, kv_bits=4, **kw))
+        cache = model.caches[0]
+        assert (cache.channel_blocks is not None) == blocks == cache.fuse_one_query, kw
+        if blocks:
+            (k_lo, k_hi), (v_lo, v_hi) = cache.channel_blocks()
+            k, v = cache.keys_values()
+            assert torch.equal(torch.cat([k_lo, k_hi], -1), k) and torch.equal(torch.cat([v_lo, v_hi], -1), v)
+    model.setup_caches(small_factory("adakv", 1, model.args, 24, 8, kv_bits=4))
+    assert model.caches[0].channel_blocks is None and not model.caches[0].fuse_one_query  # the pool: whole
+
+
+@pytest.mark.parametrize("group_size", [None, 4])
+def test_four_bit_compiled_step_reads_the_halves_and_equals_eager(group_size, monkeypatch):
+    import model as model_module
+
+    torch._dynamo.reset()
+    model = tiny_model()
+    prompt = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(3))
+    model.setup_caches(small_factory("h2o", 2, model.args, 24, 24, kv_bits=4, kv_group_size=group_size))
+    eager = generate_tokens(model, prompt, 24)
+    seen = {}
+    original = model_module.attend_one_query
+
+    def spy(q, k, v, *args, **kwargs):
+        seen["halves" if isinstance(k, tuple) else "whole"] = True  # a write: no guard, replayed per step
+        return original(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(model_module, "attend_one_query", spy)
+    compiled = generate_tokens(model, prompt, 24, Decoder(model, compile=True))
+    assert seen == {"halves": True}  # traced through the halves
+    assert torch.equal(compiled, eager)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
