@@ -3,6 +3,8 @@
 Compiled decode steps from caches filled as after --lengths tokens (random K/V; with tiers, a full warm store of
 random pages): the step alone, a step that recalls first, and the mean step over 256 steps as generation runs
 them (flushes, recalls, refreshes), at --recall-interval and at a recall every 32 steps; bytes moved per step.
+Then the plain and the tiered step once more, interleaved in one process (interleaved_steps): the ratio the
+step-time target is about, which two rows timed minutes apart on a shared host cannot settle.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kv.tiers import tier_report
 from model import Transformer
 
 SPARSE_RECALL = 32  # the tiers issue's schedule for the step-time target: a recall every 32 steps
+INTERLEAVED_ROUNDS = 15
 TIER_SPAN = 256  # steps of the average: recall every --recall-interval, flush every --page-size positions
 
 
@@ -101,6 +104,42 @@ def tier_step_times(model: Transformer, policy: str, context_len: int, budget: f
     return out
 
 
+def interleaved_steps(model: Transformer, policy: str, context_len: int, budget: float, tiers: dict, steps: int,
+                      rounds: int, scope: str) -> dict[str, list[float]]:
+    """The plain and the tiered step (no recall; flushes untimed, on their schedule) in one process and one
+    Decoder, alternating rounds of `steps` steps: ms per step of each round, for a ratio that the host's drift
+    between two separately timed rows does not move."""
+    setups = {}
+    for name, kw in (("plain", {}), ("tiered", {"tiers": tiers})):
+        factory = kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=steps * (rounds + 1) + 1,
+                                                 budget=budget, **kw)
+        setups[name] = (list(model.caches), factory.tiers)
+    torch._dynamo.reset()
+    decoder = Decoder(model, compile=True, scope=scope)
+    device = next(model.parameters()).device
+    times: dict[str, list[float]] = {name: [] for name in setups}
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # the first round compiles
+            for name, (caches, spec) in setups.items():
+                for layer, cache in zip(model.layers, caches):
+                    layer.attention.kv_cache = cache
+                decoder.choose_block_step()
+                x, spent = torch.tensor([[42]], device=device), 0.0
+                for i in range(steps):
+                    p = context_len + r * steps + i
+                    if spec and p % spec.page_size == 0:
+                        decoder.flush(model)
+                    synchronize(str(device))
+                    t0 = time.perf_counter()
+                    x, _ = decoder.step(model, x, torch.tensor([p], device=device), 0.0, None)
+                    synchronize(str(device))
+                    spent += time.perf_counter() - t0
+                    x = x.clone()
+                if r:
+                    times[name].append(1e3 * spent / steps)
+    return times
+
+
 def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
     """Per policy and length: the plain policy and the same policy with tiers at the same hot budget."""
     policies = args.policies or ["h2o"]
@@ -143,4 +182,17 @@ def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
                          f"{warm['recall_steps']} recall steps, {r['recall_hits']} page hits, {r['recall_misses']} "
                          f"misses, {r['cold_pages']} pages dropped cold (summed over layers and KV heads)")
     print("\n" + "\n".join(notes))
+    print(f"\nnon-recall step, plain and tiered in one process: {INTERLEAVED_ROUNDS} alternating rounds of "
+          f"{args.steps} steps, ms per step (median, 10th percentile); target <= 1.05x\n")
+    print("| policy | tokens | plain step | tiered step | tiered vs plain (median) | (10th percentile) |")
+    print("|---|---|---|---|---|---|")
+    for policy in policies:
+        for n in lengths:
+            t = interleaved_steps(model, policy, n, args.budget, tiers, args.steps, INTERLEAVED_ROUNDS,
+                                  args.compile_scope)
+            med = {k: statistics.median(v) for k, v in t.items()}
+            p10 = {k: statistics.quantiles(v, n=10)[0] for k, v in t.items()}
+            results[policy][n]["interleaved_ms"] = t
+            print(f"| {policy} | {n} | {med['plain']:.2f} | {med['tiered']:.2f} | "
+                  f"{med['tiered'] / med['plain']:.3f}x | {p10['tiered'] / p10['plain']:.3f}x |", flush=True)
     return results

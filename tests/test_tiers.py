@@ -361,3 +361,20 @@ def test_hot_bytes_are_the_budgets_and_warm_bytes_are_apart(policy):
     assert tiered.warm_bytes() == B * H_KV * tiered.tiers.warm_pages * tiered.page_bytes()
     Driver(tiered, 40, seed=0)
     assert tiered.kept().tolist() == [[24 - 8] * H_KV] * B  # the policy's slots, full; the recall slots apart
+
+
+def test_bench_interleaves_the_plain_and_the_tiered_step():
+    """bench.py --section tiers' one-process comparison: both caches at the same hot budget, every round timed
+    for each, nothing recompiled after the first round."""
+    from torch._dynamo.utils import counters
+
+    from benchtiers import interleaved_steps
+    from evalcaches import TIER_DEFAULTS, TIER_FLAGS
+
+    model = tiny_model()
+    tiers = {k: TIER_DEFAULTS[k] for k in TIER_FLAGS}
+    counters.clear()
+    times = interleaved_steps(model, "h2o", 300, 0.25, tiers, steps=6, rounds=3, scope="block")
+    assert {k: len(v) for k, v in times.items()} == {"plain": 3, "tiered": 3}
+    assert all(t > 0 for v in times.values() for t in v)
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["recompiles"]  # two steps and the flush
