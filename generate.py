@@ -221,10 +221,10 @@ class Decoder:
                 # process-wide: a float a module attribute held with another value in an earlier compile (an eps,
                 # a policy's parameter) would otherwise turn symbolic, and a nested region takes no float inputs
                 torch._dynamo.config.specialize_float = True
-                # static shapes but under --dynamic-capacity: an int seen with another value in an earlier compile
+                # static shapes unless --dynamic-capacity: an int seen with another value in an earlier compile
                 # (a batch size, a capacity) would turn symbolic, and a nested region reuses its code only for
-                # the static shapes it was traced with (with a symbol it met specialized inside, stamping it
-                # out for the next layer fails in dynamo)
+                # the static shapes it was traced with (a symbol specialized inside it makes dynamo fail to
+                # stamp it out for the next layer)
                 nested = partial(compiled, dynamic=None if self.dynamic_capacity else False)
                 layer, head = compiled(run_layer), compiled(logits_and_sample)
                 self.block_steps = {False: (nested(decode_by_blocks), nested(recall_and_decode_by_blocks)),

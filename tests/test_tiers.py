@@ -374,7 +374,9 @@ def test_bench_interleaves_the_plain_and_the_tiered_step():
     model = tiny_model()
     tiers = {k: TIER_DEFAULTS[k] for k in TIER_FLAGS}
     counters.clear()
-    times = interleaved_steps(model, "h2o", 300, 0.25, tiers, steps=6, rounds=3, scope="block")
-    assert {k: len(v) for k, v in times.items()} == {"plain": 3, "tiered": 3}
-    assert all(t > 0 for v in times.values() for t in v)
-    assert counters["stats"]["unique_graphs"] == 3 and not counters["recompiles"]  # two steps and the flush
+    times = interleaved_steps(model, "h2o", 300, 0.25, tiers, steps=6, rounds=3, scope="block", span_rounds=2)
+    assert {kind: {k: len(v) for k, v in t.items()} for kind, t in times.items()} == {
+        "step": {"plain": 3, "tiered": 3}, "span": {"plain": 2, "tiered": 2}}
+    assert all(x > 0 for t in times.values() for v in t.values() for x in v)
+    # the plain step; the tiered step, recall step and flush
+    assert counters["stats"]["unique_graphs"] == 4 and not counters["recompiles"]
