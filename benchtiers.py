@@ -28,6 +28,26 @@ SPAN_ROUNDS = 5
 TIER_SPAN = 256  # steps of the average: recall every --recall-interval, flush every --page-size positions
 
 
+def timed_steps(model: Transformer, decoder: Decoder, spec, start: int, steps: int, recall: bool = False) -> float:
+    """Seconds per decode step over `steps` steps from position `start` (recalling first if `recall`), the
+    step call alone timed: refreshes and tier flushes run untimed on their schedules."""
+    interval, device = decoder.refresh_interval(), next(model.parameters()).device
+    step = decoder.step_recall if recall else decoder.step
+    x, pos, spent = torch.tensor([[42]], device=device), torch.tensor([start], device=device), 0.0
+    for p in range(start, start + steps):
+        if interval and p % interval == 0:
+            decoder.refresh(model)
+        if spec and p % spec.page_size == 0:
+            decoder.flush(model)
+        synchronize(str(device))
+        t0 = time.perf_counter()
+        x, _ = step(model, x, pos, 0.0, None)
+        synchronize(str(device))
+        spent += time.perf_counter() - t0
+        x, pos = x.clone(), pos + 1
+    return spent / steps
+
+
 def tier_step_times(model: Transformer, policy: str, context_len: int, budget: float, tiers: dict | None,
                     steps: int, repeats: int, span: int = TIER_SPAN, scope: str = "step") -> dict:
     """Compiled decode steps with caches filled as after context_len tokens (setup_decode_benchmark: random hot
@@ -44,7 +64,7 @@ def tier_step_times(model: Transformer, policy: str, context_len: int, budget: f
     factory = kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=span + 1, **kwargs)
     torch._dynamo.reset()  # new cache buffers: start from a clean compile cache (dynamo's recompile limit)
     decoder = Decoder(model, compile=True, scope=scope)
-    spec, interval = factory.tiers, decoder.refresh_interval()
+    spec = factory.tiers
     generator = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
 
@@ -54,21 +74,7 @@ def tier_step_times(model: Transformer, policy: str, context_len: int, budget: f
 
     def single(recall: bool) -> float:
         refill()
-        step = decoder.step_recall if recall else decoder.step
-        x, pos, spent = torch.tensor([[42]], device=device), torch.tensor([context_len], device=device), 0.0
-        for i in range(steps):
-            p = context_len + i
-            if interval and p % interval == 0:
-                decoder.refresh(model)
-            if spec and p % spec.page_size == 0:
-                decoder.flush(model)
-            synchronize(str(device))
-            t0 = time.perf_counter()
-            x, _ = step(model, x, pos, 0.0, None)
-            synchronize(str(device))
-            spent += time.perf_counter() - t0
-            x, pos = x.clone(), pos + 1
-        return spent / steps
+        return timed_steps(model, decoder, spec, context_len, steps, recall)
 
     def whole(interval: int | None = None) -> float:
         """The span as Decoder.decode runs it; with tiers, recalling every `interval` positions if given."""
@@ -135,19 +141,9 @@ def interleaved_steps(model: Transformer, policy: str, context_len: int, budget:
         for r in range(rounds + 1):  # the first round compiles
             for name, (caches, spec) in setups.items():
                 install(caches, spec)
-                x, spent = torch.tensor([[42]], device=device), 0.0
-                for i in range(steps):
-                    p = context_len + (r * steps + i) % TIER_SPAN
-                    if spec and p % spec.page_size == 0:
-                        decoder.flush(model)
-                    synchronize(str(device))
-                    t0 = time.perf_counter()
-                    x, _ = decoder.step(model, x, torch.tensor([p], device=device), 0.0, None)
-                    synchronize(str(device))
-                    spent += time.perf_counter() - t0
-                    x = x.clone()
+                ms = 1e3 * timed_steps(model, decoder, spec, context_len + (r * steps) % TIER_SPAN, steps)
                 if r:
-                    times["step"][name].append(1e3 * spent / steps)
+                    times["step"][name].append(ms)
         for _ in range(span_rounds):
             for name, (caches, spec) in setups.items():
                 install(caches, spec)

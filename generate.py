@@ -21,6 +21,7 @@ import ragged
 import tp
 from compilecache import dynamo_count, graph_count, trust_cpu_vector_flags
 from kv import kvzip
+from kv.budgets import DYNAMIC_CAPACITY_CONFIG, mark_capacity_dynamic
 from kv.tiers import TierSpec, flush_caches, format_tier_report, tier_report
 from model import KVFastError, Transformer
 
@@ -153,25 +154,6 @@ COMPILE_SCOPES = ("step", "block")
 WARMUP_STEPS = 3  # reduce-overhead: CUDA graph trees run a step eagerly, record it, then replay it
 
 
-# dynamo keeps module buffers (and the ints of a module) static by default: a new prompt length (a new
-# capacity) would compile the step again. These let the slot dimension, and ints such as a recent window
-# resolved from it, be symbolic.
-DYNAMIC_CAPACITY_CONFIG = {"force_nn_module_property_static_shapes": False,
-                           "force_parameter_static_shapes": False, "allow_unspec_int_on_nn_module": True}
-
-
-def mark_capacity_dynamic(model: Transformer) -> None:
-    """Mark the slot dimension of every cache buffer dynamic (the dims of the capacity's size; a pool's P),
-    so the first compile already serves every capacity; what else changes with the capacity (a queue's
-    length, a window) becomes dynamic at its first change, by dynamo's automatic dynamic shapes."""
-    for c in model.caches:
-        slots = {c.capacity, getattr(c, "pool_size", c.capacity)} - {0, 1}
-        for buffer in c.buffers():
-            for dim, size in enumerate(buffer.shape):
-                if size in slots:
-                    torch._dynamo.maybe_mark_dynamic(buffer, dim)
-
-
 def default_compile_mode(device: str) -> str:
     """CUDA graphs remove the per-kernel launch cost that dominates a small model's step on a GPU."""
     return "reduce-overhead" if device.startswith("cuda") else "default"
@@ -261,7 +243,7 @@ class Decoder:
         whatever the sample's length."""
         model, S = self.model, idx.shape[1]
         if self.dynamic_capacity:
-            mark_capacity_dynamic(model)
+            mark_capacity_dynamic(model.caches)
         self.choose_block_step()
         refreshes = steps if self.refresh_interval() else 0
         tiers = self.tiers()
@@ -303,7 +285,7 @@ class Decoder:
         recall_interval positions."""
         out = []
         if self.dynamic_capacity:  # caches set up after the warm-up (eval installs its own)
-            mark_capacity_dynamic(self.model)
+            mark_capacity_dynamic(self.model.caches)
         self.choose_block_step()
         input_pos = torch.tensor([start_pos], dtype=torch.long, device=x.device)
         interval, tiers = self.refresh_interval(), self.tiers()

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import math
 
+import torch
+from torch import nn
+
 from model import KVFastError
 
 LAYER_SCHEDULES = ("uniform", "pyramid", "funnel")
@@ -121,3 +124,23 @@ def bucket_capacity(slots: int, buckets: tuple[int, ...] | int | None, limit: in
     else:
         size = next((b for b in buckets if b >= slots), slots)
     return max(slots, min(size, limit))
+
+
+# --dynamic-capacity (generate.Decoder): dynamo keeps module buffers (and the ints of a module) static by default,
+# so a new prompt length (a new capacity) would compile the step again. These let the slot dimension, and ints
+# such as a recent window resolved from it, be symbolic: capacity_buckets' other answer to shapes that multiply
+# compiles.
+DYNAMIC_CAPACITY_CONFIG = {"force_nn_module_property_static_shapes": False,
+                           "force_parameter_static_shapes": False, "allow_unspec_int_on_nn_module": True}
+
+
+def mark_capacity_dynamic(caches: list[nn.Module]) -> None:
+    """Mark the slot dimension of every cache buffer dynamic (the dims of the capacity's size; a pool's P),
+    so the first compile already serves every capacity; what else changes with the capacity (a queue's
+    length, a window) becomes dynamic at its first change, by dynamo's automatic dynamic shapes."""
+    for c in caches:
+        slots = {c.capacity, getattr(c, "pool_size", c.capacity)} - {0, 1}
+        for buffer in c.buffers():
+            for dim, size in enumerate(buffer.shape):
+                if size in slots:
+                    torch._dynamo.maybe_mark_dynamic(buffer, dim)

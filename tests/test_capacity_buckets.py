@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import generate
 from cache import make_cache_factory
-from kv.budgets import bucket_capacity, parse_buckets
+from kv.budgets import DYNAMIC_CAPACITY_CONFIG, bucket_capacity, parse_buckets
 from model import KVFastError
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
@@ -22,7 +22,7 @@ N_NEW = 12
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(**{k: not v for k, v in generate.DYNAMIC_CAPACITY_CONFIG.items()}):
+    with torch._dynamo.config.patch(**{k: not v for k, v in DYNAMIC_CAPACITY_CONFIG.items()}):
         yield  # a dynamic-capacity Decoder changes dynamo's process-wide config: restored here
     torch._dynamo.reset()
 
