@@ -63,6 +63,7 @@ from kv.budgets import (
     resolve_count,
 )
 from kv.expected import ExpectedAttentionCache, ExpectedAttentionPrompt
+from kv.fastgen import FastGenCache, token_classes
 from kv.hybrid import HybridCache
 from kv.kvzip import KVzipCache, KVzipPrompt
 from kv.policies import FullCache, WindowCache
@@ -76,7 +77,7 @@ from model import KVFastError, ModelArgs
 # every policy and prompt compressor by CLI name (kv/ modules define them; query-agnostic scorers live apart)
 POLICIES: dict[str, type[KVCache]] = {**policies.POLICIES, KVzipCache.name: KVzipCache,
                                       ExpectedAttentionCache.name: ExpectedAttentionCache, **POOL_POLICIES,
-                                      HybridCache.name: HybridCache}
+                                      HybridCache.name: HybridCache, FastGenCache.name: FastGenCache}
 PROMPT_COMPRESSORS: dict[str, type[prompt.PromptCompressor]] = {
     **prompt.PROMPT_COMPRESSORS, KVzipPrompt.name: KVzipPrompt,
     ExpectedAttentionPrompt.name: ExpectedAttentionPrompt}
@@ -195,6 +196,11 @@ PARAMS: dict[str, tuple[Any, str]] = {
                                  "classified static, the most concentrated ones (0.7)")),
     "static_share": (_fraction, ("hybrid: the share of the layer's pool given to its static heads (default: "
                                  "their share of the heads, i.e. B slots per head)")),
+    "recovery": (_fraction, ("fastgen: a KV head keeps the cheapest profile (special tokens < + punctuation < + "
+                             "heavy hitters < + recent < full) whose tokens hold this share of the observation "
+                             "window's attention (0.95, FastGen's T)")),
+    "heavy_ratio": (_fraction, "fastgen: heavy hitters of the frequent profile, a share of the prompt (0.3)"),
+    "local_ratio": (_fraction, "fastgen: recent tokens of the local profile, a share of the prompt (0.3)"),
 }
 # flags that may be given without a value: the value they then take
 PARAM_CONSTS = {"static_threshold": 0.9}
@@ -420,6 +426,7 @@ class CacheFactory:
                  tokenizer: Any = None):
         self.cls, self.compressor_cls, self.values = spec.resolve()
         self.tokenizer = tokenizer
+        self.token_classes = None  # fastgen's class of every token id, built from the tokenizer on first use
         self.policy = spec.policy
         self.prompt_compression = self.compressor_cls.name if self.compressor_cls else None
         self.layer_budget = spec.schedule()
@@ -556,11 +563,16 @@ class CacheFactory:
                 compressor.bind(self.tokenizer)
         a = self.model_args
         cls, tiers = (tiered(self.cls), {"tiers": self.tiers}) if self.tiers else (self.cls, {})
-        return cls(self.batch_size, a.n_kv_heads, a.head_dim, self.capacities[layer],
-                        n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],
-                        compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
-                        kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
-                        model_args=a, pos_shift=self.pos_shift, **tiers, **self.layer_values[layer])
+        cache = cls(self.batch_size, a.n_kv_heads, a.head_dim, self.capacities[layer],
+                    n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],
+                    compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
+                    kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
+                    model_args=a, pos_shift=self.pos_shift, **tiers, **self.layer_values[layer])
+        if isinstance(cache, FastGenCache) and self.tokenizer is not None:
+            if self.token_classes is None:  # one table for every layer
+                self.token_classes = token_classes(self.tokenizer, a.vocab_size)
+            cache.bind(self.token_classes)
+        return cache
 
     def describe(self) -> str:
         caps = sorted(set(self.capacities))

@@ -147,6 +147,11 @@ class ShadowCaches(nn.Module):
         for f in self.tiered_followers:
             f.recall(q)
 
+    def see_tokens(self, idx: Tensor) -> None:
+        for f in self.followers:
+            if hasattr(f, "see_tokens"):  # fastgen (kv.fastgen)
+                f.see_tokens(idx)
+
 
 class MultiCache(nn.Module):
     """Several policies' caches for one layer, decoded as one batch: rows [i B, (i + 1) B) belong to member i.
@@ -356,6 +361,8 @@ class Evaluator:
         self.kvzip_s = kvzip.score_into(self.model, ids[:, :n], kv, caches, memos)
         for c, (q, k, v), memo in zip(caches, kv, memos):
             c.reset()
+            if hasattr(c, "see_tokens"):  # fastgen classes the prompt's tokens (kv.fastgen)
+                c.see_tokens(ids[:, :n])
             c.prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], memo=memo)
 
     @staticmethod

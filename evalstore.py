@@ -58,13 +58,15 @@ class Store:
 
 
 def head_fields(report: list[dict[str, Any]] | None, row: int) -> dict[str, Any]:
-    """hybrid's head classes of one batch row (cache.head_class_report), per layer: "head_classes" ("S"
-    static, "D" dynamic, by KV head) and the slots of each type; no fields for other policies."""
+    """hybrid's / fastgen's head classes of one batch row (cache.head_class_report), per layer: "head_classes"
+    (one letter per KV head: "S" static, "D" dynamic for hybrid) and the slots of each kind; no fields for
+    other policies."""
     if report is None:
         return {}
-    return {"head_classes": [layer["heads"][row] for layer in report],
-            "static_slots": [layer["static_slots"][row] for layer in report],
-            "dynamic_slots": [layer["dynamic_slots"][row] for layer in report]}
+    fields = {"head_classes": [layer["heads"][row] for layer in report]}
+    for kind in report[0]["kinds"]:
+        fields[f"{kind}_slots"] = [layer[f"{kind}_slots"][row] for layer in report]
+    return fields
 
 
 def add_record(store: Store, bar: Any, record: dict, combo: Combo) -> None:

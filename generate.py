@@ -590,12 +590,12 @@ def warm_up(decoder: Decoder, idx: Tensor, args: argparse.Namespace) -> None:
 
 
 def print_cache_stats(model: Transformer, factory: kvcache.CacheFactory) -> None:
-    """Policy, capacities, tokens seen / kept / evicted, KV bytes vs the full cache's, hybrid's head classes
-    (read once, at the end)."""
+    """Policy, capacities, tokens seen / kept / evicted, KV bytes vs the full cache's, hybrid's / fastgen's head
+    classes (read once, at the end)."""
     print(factory.describe())
     for line in kvcache.format_cache_report(kvcache.cache_report(model.caches)):
         print(line)
-    for line in kvcache.format_head_class_report(kvcache.head_class_report(model.caches)):
+    for line in kvcache.format_head_class_report(kvcache.head_class_report(model.caches), factory.policy):
         print(line)
     for line in format_tier_report(tier_report(model.caches)):
         print(line)

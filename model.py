@@ -384,6 +384,9 @@ class Transformer(nn.Module):
         else:
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         x = self.tok_embeddings(idx).to(self.norm.weight.dtype)  # bfloat16 rows (quantize.py) to the compute dtype
+        for cache in self.caches:  # fastgen keeps tokens by their class (kv.fastgen): it sees the ids fed
+            if hasattr(cache, "see_tokens"):
+                cache.see_tokens(idx)
         for layer in self.layers:
             x = run_block(layer, x, cos, sin, input_pos, recall) if run_block else layer(x, cos, sin, input_pos, recall)
         return self.norm(x)

@@ -109,6 +109,8 @@ class HybridCache(PoolCache):
                                         "gqa_reduce": "mean", "static_threshold": None, "static_ratio": 0.7,
                                         "static_share": None}
     default_prompt_compressor = "snapkv"
+    head_kinds: ClassVar[tuple[str, ...]] = ("static", "dynamic")  # what head_classes' "kind" indexes
+    head_letters = "SD"  # one per kind, for the report's by-head strings
 
     def init_state(self) -> None:
         B, H = self.batch_size, self.n_kv_heads
@@ -168,12 +170,16 @@ class HybridCache(PoolCache):
         slot of the tiers)."""
         pos = self.slot_pos
         valid = pos >= 0
-        protected = valid & (self.is_sink(pos) | (pos > input_pos - self.recent_window))
+        protected = valid & self.decode_protected(pos, input_pos)
         score = self.slot_scores(input_pos).masked_fill(protected, PROTECTED).masked_fill(~valid, -INF)
         own = self.slot_head.unsqueeze(1) == self.head_ids.view(1, -1, 1)  # [B, H_kv, P]
         if self.recall_slots:
             own = own & (torch.arange(self.pool_size, device=own.device) < self.policy_pool)
         return score.unsqueeze(1).masked_fill(~own, INF).argmin(-1)
+
+    def decode_protected(self, pos: Tensor, input_pos: Tensor) -> Tensor:
+        """[B, P] bool: slots a head evicts only when all its others are too (sinks, the recent window)."""
+        return self.is_sink(pos) | (pos > input_pos - self.recent_window)
 
     def slot_scores(self, input_pos: Tensor) -> Tensor:
         """Static heads' slots: accumulated attention; dynamic heads': the position (oldest out first)."""
@@ -192,6 +198,8 @@ class HybridCache(PoolCache):
 
     # ---- reporting (read once at the end) ----------------------------------------------------------------
     def head_classes(self) -> dict[str, Tensor]:
-        """Per (row, KV head), on the host: static (bool), budget (slots), concentration (c_h)."""
-        return {"static": self.static.cpu(), "budget": self.budget.cpu(),
+        """Per (row, KV head), on the host: kind (index into head_kinds: 0 static, 1 dynamic), static (bool),
+        budget (slots), concentration (c_h)."""
+        static = self.static.cpu()
+        return {"kind": (~static).long(), "static": static, "budget": self.budget.cpu(),
                 "concentration": self.concentration.cpu()}

@@ -1,5 +1,5 @@
 """What a finished run's caches report, read once from their buffers at the end: tokens seen / kept /
-evicted, physical and full-cache bytes, and hybrid's head classification."""
+evicted, physical and full-cache bytes, and hybrid's / fastgen's head classification."""
 
 from __future__ import annotations
 
@@ -34,34 +34,37 @@ def format_cache_report(r: dict[str, Any]) -> list[str]:
 
 
 def head_class_report(caches: list[KVCache]) -> list[dict[str, Any]] | None:
-    """hybrid's classification per layer, per row (None for other policies): static / dynamic KV heads, the
-    slots each type holds, and the heads' classes as a string ("S" static, "D" dynamic), read once at the
-    end."""
+    """The per-head classification of hybrid (static / dynamic) or fastgen (its profiles) per layer and row
+    (None for other policies): per kind, how many KV heads and the slots they hold, and the heads' kinds as a
+    string of the policy's head_letters ("SDD": static, dynamic, dynamic), read once at the end."""
     if not caches or not all(isinstance(c, HybridCache) for c in caches):
         return None
     out = []
     for c in caches:
         r = c.head_classes()
-        static, budget = r["static"], r["budget"]
-        out.append({"static": static.sum(-1).tolist(), "dynamic": (~static).sum(-1).tolist(),
-                    "static_slots": (budget * static).sum(-1).tolist(),
-                    "dynamic_slots": (budget * ~static).sum(-1).tolist(),
-                    "heads": ["".join("S" if s else "D" for s in row) for row in static.tolist()]})
+        kind, budget = r["kind"], r["budget"]
+        layer: dict[str, Any] = {"kinds": list(c.head_kinds)}
+        for i, name in enumerate(c.head_kinds):
+            layer[name] = (kind == i).sum(-1).tolist()
+            layer[f"{name}_slots"] = (budget * (kind == i)).sum(-1).tolist()
+        layer["heads"] = ["".join(c.head_letters[k] for k in row) for row in kind.tolist()]
+        out.append(layer)
     return out
 
 
-def format_head_class_report(report: list[dict[str, Any]] | None) -> list[str]:
-    """One line per layer: static / dynamic KV heads and slots per head of each type (means over rows), and
-    each row's classes by head."""
+def format_head_class_report(report: list[dict[str, Any]] | None, policy: str = "hybrid") -> list[str]:
+    """One line per layer: KV heads of each kind and slots per head of that kind (means over rows; kinds no
+    head took are left out unless all are), and each row's kinds by head."""
     if report is None:
         return []
     lines = []
     for i, layer in enumerate(report):
         parts = []
-        for kind in ("static", "dynamic"):
+        for kind in layer["kinds"]:
             heads, slots = sum(layer[kind]), sum(layer[f"{kind}_slots"])
-            each = f"{slots / heads:.1f} slots each" if heads else "no slots"
-            parts.append(f"{heads / len(layer[kind]):g} {kind} ({each})")
+            if heads or len(layer["kinds"]) <= 2:
+                each = f"{slots / heads:.1f} slots each" if heads else "no slots"
+                parts.append(f"{heads / len(layer[kind]):g} {kind} ({each})")
         rows = " ".join(layer["heads"])
-        lines.append(f"hybrid layer {i}: KV heads {', '.join(parts)}; by row and head: {rows}")
+        lines.append(f"{policy} layer {i}: KV heads {', '.join(parts)}; by row and head: {rows}")
     return lines

@@ -254,7 +254,7 @@ def test_report_counts_types_and_slots():
     cache = cache_for(2, static_ratio=0.34, static_share=0.5)
     cache.prefill(q, k, torch.randn(2, 3, S, D))
     report = head_class_report([cache])
-    assert report == [{"static": [1, 1], "dynamic": [2, 2], "static_slots": [18, 18],
+    assert report == [{"kinds": ["static", "dynamic"], "static": [1, 1], "dynamic": [2, 2], "static_slots": [18, 18],
                        "dynamic_slots": [18, 18], "heads": ["SDD", "DSD"]}]
     assert format_head_class_report(report) == [
         ("hybrid layer 0: KV heads 1 static (18.0 slots each), 2 dynamic (9.0 slots each); by row and head: "
