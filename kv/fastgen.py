@@ -9,7 +9,9 @@ tokens always kept), on a pool of fixed size. Decisions, each a deviation or a c
 
 Profile. The recovery of a candidate set is measured on the observation window (SnapKV's last w = obs_window
 prompt queries, memoized votes, group-reduced over the KV head's query heads by gqa_reduce) instead of every
-prompt query: O(w S) instead of the S x S attention the paper profiles (its pitfall 1). "Local" is then the
+prompt query: O(w S) instead of the S x S attention the paper profiles (its pitfall 1). Heavy hitters are the
+prompt compressor's top tokens (default SnapKV, whose pooling keeps a needle's neighbouring tokens with it: on raw
+votes a 5-digit pass key lost digits and query-aware passkey scored 0 of 30 at 25 %), as hybrid's static heads. "Local" is then the
 last local_ratio x S prompt tokens. Special = the first n_sinks tokens and the tokenizer's special ids (BOS,
 chat markers); punctuation = ids whose text is only punctuation (token_classes). Without a tokenizer (tests,
 bench) only the sinks are special and no id is punctuation, so the punctuation profile equals the special one.
@@ -68,14 +70,14 @@ def token_classes(tokenizer: Any, vocab_size: int) -> Tensor:
     return classes
 
 
-def profile_masks(votes: Tensor, classes: Tensor, n_sinks: int, n_heavy: int, n_local: int) -> Tensor:
-    """[B, H, 5, S] bool: the prompt tokens each of FastGen's hybrid profiles keeps, per KV head, from the
-    window's votes [B, H, S] (heavy hitters: the top n_heavy) and the prompt's token classes [B, S]."""
-    B, H, S = votes.shape
-    pos = torch.arange(S, device=votes.device)
+def profile_masks(heavy: Tensor, classes: Tensor, n_sinks: int, n_heavy: int, n_local: int) -> Tensor:
+    """[B, H, 5, S] bool: the prompt tokens each of FastGen's hybrid profiles keeps, per KV head, from
+    heavy-hitter scores [B, H, S] (the top n_heavy) and the prompt's token classes [B, S]."""
+    B, H, S = heavy.shape
+    pos = torch.arange(S, device=heavy.device)
     special = ((pos < n_sinks) | (classes == SPECIAL_TOKEN)).unsqueeze(1).expand(B, H, S)
     punct = special | (classes == PUNCT_TOKEN).unsqueeze(1)
-    top = votes.topk(min(n_heavy, S), dim=-1).indices
+    top = heavy.topk(min(n_heavy, S), dim=-1).indices
     frequent = punct.scatter(-1, top, True)
     local = frequent | (pos >= S - n_local)
     return torch.stack([special, punct, frequent, local, torch.ones_like(local)], dim=2)
@@ -168,11 +170,21 @@ class FastGenCache(HybridCache):
         return c.to(self.device)
 
     # ---- prefill -------------------------------------------------------------------------------------
+    def heavy_scores(self, q: Tensor, k: Tensor, memo: dict, v: Tensor | None = None) -> Tensor:
+        """[B, H_kv, S] >= 0: which prompt tokens are heavy hitters, the prompt compressor's scores (SnapKV's
+        pooled window votes: a needle's neighbours come with it) when it compresses the prompt, else the
+        window's votes (a prompt that fits keeps every token; the profile then only rules decoding)."""
+        B, H, S, _ = k.shape
+        if self.compressor is None or S <= self.prompt_capacity:
+            return self.votes(q, k, memo).double()
+        return self.compressor.cached_scores(q, k, memo, v).double().expand(B, H, S).clamp(min=0)
+
     def classify(self, q: Tensor, k: Tensor, memo: dict) -> None:
         S = k.shape[2]
         votes = self.votes(q, k, memo).double()
         classes = self.classes_for(S)
-        masks = profile_masks(votes, classes, self.n_sinks, round(self.heavy_ratio * S), round(self.local_ratio * S))
+        masks = profile_masks(self.heavy_scores(q, k, memo), classes, self.n_sinks, round(self.heavy_ratio * S),
+                              round(self.local_ratio * S))
         profile, recovered = choose_profiles(votes, masks, self.recovery)
         self.profile.copy_(profile)
         self.recovered.copy_(recovered.gather(-1, profile.unsqueeze(-1)).squeeze(-1))
@@ -189,15 +201,15 @@ class FastGenCache(HybridCache):
 
     def select_pairs(self, q: Tensor, k: Tensor, v: Tensor, memo: dict) -> tuple[Tensor, Tensor]:
         S = k.shape[2]
+        heavy = self.heavy_scores(q, k, memo, v)  # memoized: classify reads the same scores
         self.classify(q, k, memo)
-        votes = self.votes(q, k, memo).double()
-        share = votes / votes.sum(-1, keepdim=True).clamp(min=1e-30)  # in [0, 1]: the profile's set comes first
+        share = heavy / heavy.sum(-1, keepdim=True).clamp(min=1e-30)  # in [0, 1]: the profile's set comes first
         pos = torch.arange(S, device=k.device)
         protected = (pos < self.n_sinks) | (pos >= S - self.protected_prompt())
         key = share + 2.0 * self.masks + 4.0 * protected  # the protected tokens first, then the profile's
         order = key.sort(dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
-        return rank < self.budget.unsqueeze(-1), votes
+        return rank < self.budget.unsqueeze(-1), heavy
 
     def prefill_state(self, q: Tensor, k: Tensor, prior: Tensor | None, memo: dict) -> None:
         super().prefill_state(q, k, prior, memo)  # classifies a prompt that fitted; seeds the scores

@@ -64,7 +64,8 @@ def separate_runs(model, rows, policy, **kwargs):
 # re-ranks at other steps than it would alone (expected_attention's refresh too, hence the long interval here)
 @pytest.mark.parametrize("policy,kwargs", [
     ("full", {}), ("window", {}), ("h2o", {}), ("snapkv", {"budget": 16 + N_NEW}), ("tova", {}), ("random", {}),
-    ("knorm", {}), ("adakv", {}), ("expected_attention", {"params": {"refresh_interval": 1000}}),
+    ("knorm", {}), ("adakv", {}), ("hybrid", {}), ("fastgen", {}),
+    ("expected_attention", {"params": {"refresh_interval": 1000}}),
     ("h2o", {"pos_shift": True}), ("window", {"pos_shift": True}),
 ])
 def test_ragged_rows_decode_as_they_would_alone(policy, kwargs):
