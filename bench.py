@@ -32,7 +32,7 @@ import cache as kvcache
 from benchbatch import bench_batch
 from benchragged import bench_ragged
 from benchspeculate import bench_speculate
-from benchtiers import TIER_SPAN, bench_tiers
+from benchtiers import TIER_SPAN, bench_tiers, timed_steps
 from benchtp import bench_tp
 from evalcaches import add_tier_flags, given_tier_flags, tier_settings
 from generate import DEFAULT_CHECKPOINT, ArgumentParser, Decoder, resolve_checkpoint, run_cli
@@ -225,7 +225,44 @@ def bench_policies(model: Transformer, args: argparse.Namespace) -> dict:
                                   "bookkeeping_share": share}
             cells.append(f"{1e3 * t:.1f} ({full[n] / t:.2f}x), {100 * share:.0f} %")
         print(f"| {policy} | " + " | ".join(cells) + " |", flush=True)
+    if len(policies) > 1:
+        results["interleaved"] = interleaved_policies(model, policies, args.lengths[-1], args)
     return results
+
+
+def interleaved_policies(model: Transformer, policies: list[str], context_len: int, args: argparse.Namespace,
+                         rounds: int = 15) -> dict:
+    """The policies' compiled steps in one process and one Decoder, alternating rounds of args.steps steps
+    (caches filled as after context_len tokens): per policy the median and 10th percentile ms per step, and
+    the ratio of medians to the first policy listed. Rows timed minutes apart drift by more than the 10 % the
+    per-head issue allows on a shared host; alternating in one process they do not."""
+    setups = {}
+    for policy in policies:
+        kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=rounds * args.steps + args.steps + 1,
+                                       budget=args.budget)
+        setups[policy] = list(model.caches)
+    torch._dynamo.reset()
+    decoder = Decoder(model, compile=True, scope=args.compile_scope)
+    times: dict[str, list[float]] = {p: [] for p in policies}
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # the first round compiles
+            for policy, caches in setups.items():
+                model.setup_caches(lambda i, caches=caches: caches[i])
+                decoder.choose_block_step()
+                ms = 1e3 * timed_steps(model, decoder, None, context_len + r * args.steps, args.steps)
+                if r:
+                    times[policy].append(ms)
+    base = statistics.median(times[policies[0]])
+    print(f"\nthe same steps interleaved in one process at {context_len} tokens ({rounds} alternating rounds of "
+          f"{args.steps} steps, one Decoder): ms per step, median (10th percentile), vs {policies[0]}\n")
+    print(f"| policy | step ms | vs {policies[0]} |")
+    print("|---|---|---|")
+    out = {}
+    for policy, t in times.items():
+        med, p10 = statistics.median(t), statistics.quantiles(t, n=10)[0]
+        out[policy] = {"median_ms": med, "p10_ms": p10, "ratio": med / base, "rounds_ms": t}
+        print(f"| {policy} | {med:.2f} ({p10:.2f}) | {med / base:.3f}x |", flush=True)
+    return out
 
 
 # ---- prompt compression: what scoring the prompt adds to a prefill -----------------------------------------------

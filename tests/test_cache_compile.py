@@ -55,3 +55,19 @@ def test_decode_benchmark_setup(policy):
     assert all(c.tokens_seen() == 301 for c in model.caches)
     if policy != "full":  # memory for the budget only (pyramid layers vary around it)
         assert sum(c.capacity for c in model.caches) <= 64 * len(model.caches) + 4
+
+
+def test_bench_interleaves_the_policies_steps():
+    """bench.py --section policies' one-process comparison: every policy timed each round (one Decoder, its
+    compiled step per policy), nothing recompiled after the first round, ratios against the first policy."""
+    import argparse
+
+    from bench import interleaved_policies
+
+    model = tiny_model()
+    counters.clear()
+    args = argparse.Namespace(steps=4, budget=0.25, compile_scope="block")
+    out = interleaved_policies(model, ["h2o", "hybrid"], 300, args, rounds=3)
+    assert set(out) == {"h2o", "hybrid"} and out["h2o"]["ratio"] == 1.0
+    assert all(len(r["rounds_ms"]) == 3 and min(r["rounds_ms"]) > 0 for r in out.values())
+    assert counters["stats"]["unique_graphs"] == 2 and counters["recompiles"] == {}
