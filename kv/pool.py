@@ -33,6 +33,8 @@ from torch import Tensor
 
 from kv.slots import INF, KVCache, put_rows, reduce_groups
 
+TIER = float(2**24)  # choose_slot's gap between eviction tiers
+
 
 class PoolCache(KVCache):
     """The pool mechanics shared by per-head-budget policies (a layout, no paper: see the module doc)."""
@@ -164,29 +166,26 @@ class PoolCache(KVCache):
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """H_kv victims per row, the lowest-scored first, each head giving up at most (owned + 1 - floor).
 
-        Each pick is a lexicographic argmin over (tier, score): tier 0 = empty or evictable within the head's
-        allowance, 1 = evictable but its head is at its floor, 2 = protected, 3 = already picked. Tiers 1-2
-        are never reached under a budget the factory accepts (every head keeps its protected tokens + 1 slot);
-        they keep the picks distinct even then. A fixed H_kv-step loop: static shapes, one graph."""
+        The greedy choice (pick the lowest, count it against its head, repeat) in one pass: every slot gets a
+        key ordering (tier, score), tier 0 = empty or evictable, 2 = protected, each tier TIER above the last
+        (scores clamped to +-TIER / 4; empty slots at -TIER / 2, below every score). Each head's H_kv lowest
+        keys are its candidates; those past the head's allowance among its valid unprotected ones move up a
+        tier (1: its head is at its floor), and the H_kv lowest candidates of the row are the victims, lowest
+        first. Tier 0's order is the scores' exactly; tiers 1-2, which a budget the factory accepts never
+        reaches (every head keeps its protected tokens + 1 slot), order scores to float32's step at TIER."""
         H = self.n_kv_heads
         pos, head = self.slot_pos, self.slot_head
         valid = pos >= 0
-        score = self.slot_scores(input_pos).masked_fill(~valid, -INF)
         protected = valid & (self.is_sink(pos) | (pos > input_pos - self.recent_window))
-        base = protected.long() * 2
-        allowance = self.owned().sum(-1) + 1 - self.head_floor  # [B, H_kv]
-        lost = torch.zeros_like(allowance)
-        picked = torch.zeros_like(valid)
-        slots = []
-        for _ in range(H):
-            at_floor = (lost >= allowance).gather(1, head) & valid & ~protected
-            tier = torch.where(picked, 3, base + at_floor.long())
-            best = tier == tier.amin(-1, keepdim=True)
-            slot = score.masked_fill(~best, INF).argmin(-1, keepdim=True)  # [B, 1]
-            picked = picked.scatter(1, slot, True)
-            lost = lost.scatter_add(1, head.gather(1, slot), valid.gather(1, slot).long())
-            slots.append(slot)
-        return torch.cat(slots, dim=1)
+        score = self.slot_scores(input_pos).float().clamp(-TIER / 4, TIER / 4).masked_fill(~valid, -TIER / 2)
+        key = score + protected.float() * (2 * TIER)
+        own = head.unsqueeze(1) == self.head_ids.view(1, -1, 1)  # [B, H_kv, P]
+        cand_key, cand = key.unsqueeze(1).masked_fill(~own, INF).topk(H, dim=-1, largest=False)  # [B, H_kv, H_kv]
+        evictable = (valid & ~protected).gather(1, cand.flatten(1)).view_as(cand)
+        allowance = self.owned().sum(-1, keepdim=True) + 1 - self.head_floor  # [B, H_kv, 1]
+        at_floor = evictable & (evictable.long().cumsum(-1) > allowance)
+        order = (cand_key + at_floor.float() * TIER).flatten(1).topk(H, dim=-1, largest=False).indices
+        return cand.flatten(1).gather(1, order)
 
     def slot_scores(self, input_pos: Tensor) -> Tensor:
         """[B, P] float, low = evicted first; comparable across heads."""
