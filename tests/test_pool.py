@@ -245,6 +245,56 @@ def test_budgets_move_while_decoding_and_keep_the_floor():
     assert len({str(step) for step in history}) > 1
 
 
+def greedy_pick(pos: list[int], head: list[int], score: list[float], lost: list[int], allowance: list[int],
+                picked: list[int], t: int, n_sinks: int, recent_window: int) -> int:
+    """The slot the greedy choice takes next: the lowest (tier, score, slot) not yet picked, tier 0 = empty or
+    evictable, 1 = evictable with its head at its floor, 2 = protected."""
+    def rank(i: int) -> tuple:
+        valid = pos[i] >= 0
+        protected = valid and (pos[i] < n_sinks or pos[i] > t - recent_window)
+        tier = 2 if protected else (1 if valid and lost[head[i]] >= allowance[head[i]] else 0)
+        return (tier, score[i] if valid else -math.inf, i)
+    return min((i for i in range(len(pos)) if i not in picked), key=rank)
+
+
+def greedy_victims(cache, t: int) -> list[list[tuple[int, int]]]:
+    """The slow reference of PoolCache.choose_slot, one row and one pick at a time (greedy_pick); each valid
+    pick counts against its head's allowance (owned + 1 - floor). Evicted (head, position) pairs per row,
+    sorted (which physical slot hosts which head's new key is immaterial)."""
+    out = []
+    for b in range(cache.batch_size):
+        pos, head, score = cache.slot_pos[b].tolist(), cache.slot_head[b].tolist(), cache.score[b].tolist()
+        owned = [sum(1 for p, h in zip(pos, head) if h == kv and p >= 0) for kv in range(cache.n_kv_heads)]
+        allowance = [n + 1 - cache.head_floor for n in owned]
+        lost, picked = [0] * cache.n_kv_heads, []
+        for _ in range(cache.n_kv_heads):
+            i = greedy_pick(pos, head, score, lost, allowance, picked, t, cache.n_sinks, cache.recent_window)
+            picked.append(i)
+            lost[head[i]] += pos[i] >= 0
+        out.append(sorted((head[i], pos[i]) for i in picked))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_choose_slot_evicts_what_the_greedy_reference_does(seed):
+    """Random scores, floors and empty slots: choose_slot's one pass evicts the greedy loop's pairs."""
+    g = torch.Generator().manual_seed(seed)
+    B, S = 2, 40
+    args = tiny_args(n_layers=1, n_heads=6, n_kv_heads=3, head_dim=8)
+    cache = make_cache_factory("adakv", B, args, S, 30, budget=12, n_sinks=1, recent_window=3, obs_window=3,
+                               pool_kernel=3, adakv_floor=[0.0, 0.2, 0.5, 1.0][seed % 4])(0)
+    cache.prefill(*(torch.randn(B, h, S, 8, generator=g) for h in (6, 3, 3)))
+    for t in range(S, S + 12):
+        cache.score.copy_(torch.rand(cache.score.shape, generator=g) * 4)  # equal scores may go either way
+        if seed % 3 == 0:
+            cache.slot_pos[:, torch.randint(0, cache.pool_size, (2,), generator=g)] = -1
+        slot = cache.choose_slot(torch.tensor([t]))
+        got = [sorted((int(cache.slot_head[b, i]), int(cache.slot_pos[b, i])) for i in slot[b].tolist())
+               for b in range(B)]
+        assert got == greedy_victims(cache, t), t
+        cache.insert(slot, torch.tensor([t]), torch.randn(B, 3, 1, 8, generator=g), torch.randn(B, 3, 1, 8, generator=g))
+
+
 # ---- CLI and eval ------------------------------------------------------------------------------------
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
