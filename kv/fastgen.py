@@ -43,7 +43,6 @@ import torch
 from torch import Tensor
 
 from kv.hybrid import PROTECTED, HybridCache
-from kv.slots import reduce_groups
 
 PROFILES = ("special", "punct", "frequent", "local", "full")
 SPECIAL, PUNCT, FREQUENT, LOCAL, FULL = range(len(PROFILES))
@@ -233,9 +232,6 @@ class FastGenCache(HybridCache):
     def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
         super().on_insert(slot, k, input_pos)
         self.slot_class.scatter_(1, slot, self.new_class.view(-1, 1).expand_as(slot))
-
-    def observe(self, probs: Tensor) -> None:
-        self.score.add_(reduce_groups(probs[:, :, :, 0], self.gqa_reduce).sum(1))
 
     def synthetic_state(self, generator: torch.Generator | None) -> None:
         self.score.copy_(torch.rand(self.score.shape, generator=generator))
