@@ -28,9 +28,12 @@ then only decides what each head evicts first. Budgets are fixed for the sequenc
 
 Decode (compiled, static shapes), per head by its profile: special tokens, and punctuation for a profile that
 keeps it, are evicted last; heads with frequent keep heavy hitters (accumulated attention: the window's votes
-for prompt tokens, decode attention added every step, new tokens start at 0); local and full heads protect the
-recent window (recent_window); for special / punctuation heads a new token of another class is evicted first
-(FastGen: it is not kept), after it has been attended at its own step. No tiers (not built for this policy).
+for prompt tokens, decode attention added every step, new tokens start at 0); for special / punctuation heads a
+token of another class is evicted first (FastGen: it is not kept). Deviation: every head protects the recent
+window (recent_window, 32), not only local and full ones: with FastGen's profiles as they are, a heavy-hitter
+head evicts a new token before it can gather attention, and perplexity over 512 tokens of the Jargon File at 50 %
+read 54.25 against 43.78 with the window protected (full 43.01, hybrid 43.91, h2o 43.32). No tiers (not built
+for this policy).
 """
 
 from __future__ import annotations
@@ -217,11 +220,6 @@ class FastGenCache(HybridCache):
         self.masks = None
 
     # ---- decode --------------------------------------------------------------------------------------
-    def decode_protected(self, pos: Tensor, input_pos: Tensor) -> Tensor:
-        """Sinks always; the recent window only for heads whose profile keeps local tokens (local, full)."""
-        local = self.profile.gather(1, self.slot_head) >= LOCAL
-        return self.is_sink(pos) | (local & (pos > input_pos - self.recent_window))
-
     def slot_scores(self, input_pos: Tensor) -> Tensor:
         profile = self.profile.gather(1, self.slot_head)
         cls = self.slot_class

@@ -18,8 +18,6 @@ from hypothesis import strategies as st
 
 from cache import POLICIES, PROMPT_COMPRESSORS, make_cache_factory
 from generate import Decoder, prefill
-from kv import fastgen
-from kv.fastgen import FastGenCache
 from kv.policies import FullCache
 from kv.pool import PoolCache
 from model import attend
@@ -80,15 +78,12 @@ def check(cache, t: int, after_prefill: bool = False) -> None:
     kept = cache.kept()
     assert within_memory(cache)
     window = cache.recent_window - (1 if after_prefill else 0)  # prefill: the next token completes it
-    sinks = set(range(min(cache.n_sinks, t + 1)))
-    must = sinks | set(range(max(0, t - window + 1), t + 1))
-    for b, row in enumerate(head_positions(cache)):
-        for h, pos in enumerate(row):
+    must = set(range(min(cache.n_sinks, t + 1))) | set(range(max(0, t - window + 1), t + 1))
+    for row in head_positions(cache):
+        for pos in row:
             assert len(pos) == len(set(pos)), "a position is cached twice"
             assert all(0 <= p <= t for p in pos)  # a pool head may hold nothing (adakv, floor 0, no window)
-            # fastgen's special / punctuation / heavy-hitter heads keep no recent window (FastGen's profiles)
-            local = not isinstance(cache, FastGenCache) or cache.profile[b, h] >= fastgen.LOCAL
-            assert (must if local else sinks) <= set(pos), f"protected positions {sorted(must - set(pos))} missing"
+            assert must <= set(pos), f"protected positions {sorted(must - set(pos))} missing"
     if isinstance(cache, PoolCache):  # H_kv in, H_kv out across the heads: no empty slot once full
         assert (kept.sum(-1) == min((t + 1) * cache.n_kv_heads, cache.pool_size)).all()
     elif cache.evicts:  # one in, one out: no empty slot once full
