@@ -196,9 +196,8 @@ PARAMS: dict[str, tuple[Any, str]] = {
                                  "classified static, the most concentrated ones (0.7)")),
     "static_share": (_fraction, ("hybrid: the share of the layer's pool given to its static heads (default: "
                                  "their share of the heads, i.e. B slots per head)")),
-    "recovery": (_fraction, ("fastgen: a KV head keeps the cheapest profile (special tokens < + punctuation < + "
-                             "heavy hitters < + recent < full) whose tokens hold this share of the observation "
-                             "window's attention (0.95, FastGen's T)")),
+    "recovery": (_fraction, ("fastgen: each KV head keeps the cheapest profile (special < punctuation < heavy "
+                             "hitters < recent < full) holding this share of the window's attention (0.95)")),
     "heavy_ratio": (_fraction, "fastgen: heavy hitters of the frequent profile, a share of the prompt (0.3)"),
     "local_ratio": (_fraction, "fastgen: recent tokens of the local profile, a share of the prompt (0.3)"),
 }
@@ -426,7 +425,6 @@ class CacheFactory:
                  tokenizer: Any = None):
         self.cls, self.compressor_cls, self.values = spec.resolve()
         self.tokenizer = tokenizer
-        self.token_classes = None  # fastgen's class of every token id, built from the tokenizer on first use
         self.policy = spec.policy
         self.prompt_compression = self.compressor_cls.name if self.compressor_cls else None
         self.layer_budget = spec.schedule()
@@ -569,9 +567,7 @@ class CacheFactory:
                     kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
                     model_args=a, pos_shift=self.pos_shift, **tiers, **self.layer_values[layer])
         if isinstance(cache, FastGenCache) and self.tokenizer is not None:
-            if self.token_classes is None:  # one table for every layer
-                self.token_classes = token_classes(self.tokenizer, a.vocab_size)
-            cache.bind(self.token_classes)
+            cache.bind(token_classes(self.tokenizer, a.vocab_size))  # one table (cached) for every layer
         return cache
 
     def describe(self) -> str:

@@ -38,6 +38,7 @@ for this policy).
 
 from __future__ import annotations
 
+import functools
 import string
 import unicodedata
 from typing import Any, ClassVar
@@ -59,6 +60,7 @@ def is_punctuation(text: str) -> bool:
     return bool(text) and all(c in string.punctuation or unicodedata.category(c).startswith("P") for c in text)
 
 
+@functools.cache  # one table per tokenizer, whatever the number of layers and caches
 def token_classes(tokenizer: Any, vocab_size: int) -> Tensor:
     """[vocab_size] uint8 per id: SPECIAL_TOKEN for the tokenizer's special ids, PUNCT_TOKEN for ids whose text
     is punctuation, OTHER_TOKEN otherwise (ids the tokenizer does not know included)."""

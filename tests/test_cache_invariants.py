@@ -160,9 +160,10 @@ def test_no_compression_equals_full_exactly(policy, n_kv, g, prompt_len, steps, 
     a = model.args
     reference_cls = FullWithProbs if POLICIES[policy].needs_attention else FullCache
     reference = logits_with(lambda _: reference_cls(B, a.n_kv_heads, a.head_dim, total, n_groups=a.n_groups))
-    if issubclass(POLICIES[policy], PoolCache):  # one product over the pool sums in another order: rounding
+    if issubclass(POLICIES[policy], PoolCache):  # one product over the pool sums in another order: rounding,
+        # which grows over the decode steps like SDPA's below (hypothesis found 1.5e-5 on a fastgen logit)
         assert torch.equal(ours.argmax(-1), reference.argmax(-1))
-        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
     else:
         assert torch.equal(ours, reference)
     plain = logits_with(make_cache_factory("full", B, model.args, prompt_len, steps))
