@@ -630,4 +630,4 @@ def run_cli(entry, argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    tp.exit_process(cli())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,18 @@ def init(device: str) -> str:
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
     return device
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process. Under torchrun without interpreter finalization: gloo's worker threads can still be
+    dropping the last collective's tensors, which takes the GIL, and a thread that asks for the GIL while the
+    interpreter finalizes aborts the whole process (std::terminate, exit -6: one run in six on 2 cores)."""
+    if not dist.is_initialized():
+        sys.exit(code)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def split(n: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:

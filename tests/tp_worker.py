@@ -45,3 +45,4 @@ if __name__ == "__main__":
     rank, world = tp.rank_and_world()
     if rank == 0:
         torch.save({"world": world, **results}, sys.argv[1])
+    tp.exit_process(0)
