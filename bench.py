@@ -3,7 +3,7 @@
     python bench.py                       # engine: HF transformers vs our eager vs our compiled decode
     python bench.py --section policies    # decode step time per cache policy at 512 / 2048 / 4096 tokens
     python bench.py --section quantize    # fp32 vs int8 vs int4 weights: size, decode speed, quality
-    python bench.py --section kv-bits     # K/V stored in fp32 vs 8 vs 4 bits: decode step time and KV bytes
+    python bench.py --section kv-bits     # K/V stored in fp32 vs 16 vs 8 vs 4 bits: decode step time and KV bytes
     python bench.py --section prefill     # what each prompt compressor adds to a plain prefill (kvzip, ...)
     python bench.py --section compile     # cold / warm / portable compile per policy, whole step vs one block
     python bench.py --section tiers       # tiered (kv.tiers) vs plain decode step at the same hot budget, 4096 tokens
@@ -67,8 +67,9 @@ def cpu_summary() -> str:
 
 
 # ---- engine: HF vs ours -------------------------------------------------------------------------------------
-def time_ours(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool, repeats: int) -> dict:
-    model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, prompt.shape[1], new_tokens))
+def time_ours(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool, repeats: int,
+              kv_bits: int | None = None) -> dict:
+    model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, prompt.shape[1], new_tokens, kv_bits=kv_bits))
     decoder = Decoder(model, compile=compile, scope="step")  # the tables' compiled rows: whole-step graphs
 
     def run() -> tuple[float, float, Tensor]:
@@ -142,9 +143,11 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
             rows["HF transformers generate (fp32, eager)"] = time_hf(gguf, prompt, args.new_tokens, args.repeats)
         rows["kvfast eager (fp32)"] = time_ours(model, prompt, args.new_tokens, False, args.repeats)
         for mode in args.weights:
-            rows[f"kvfast compiled ({mode})"] = time_ours(models[mode], prompt, args.new_tokens, True, args.repeats)
-            rows[f"kvfast compiled ({mode})"]["weight_bytes"] = models[mode].weight_bytes()
-            torch._dynamo.reset()
+            for bits in (None, *args.kv_bits):
+                name = f"kvfast compiled ({mode}" + (f", {bits}-bit K/V)" if bits else ")")
+                rows[name] = time_ours(models[mode], prompt, args.new_tokens, True, args.repeats, kv_bits=bits)
+                rows[name]["weight_bytes"] = models[mode].weight_bytes()
+                torch._dynamo.reset()
         if "llama.cpp" in args.peers:
             from scripts.peer_llamacpp import time_llamacpp
 
@@ -333,7 +336,7 @@ def bench_kv_bits(model: Transformer, checkpoint: Path, args: argparse.Namespace
     ids = torch.tensor([tokenizer.encode(evaltasks.load_text(args.quality_text))[: args.quality_tokens]])
     policies = args.policies or ["full", "h2o"]
     results: dict[str, dict] = {}
-    print(f"\ndecode step time (ms), compiled, K/V stored in the compute dtype vs --kv-bits 8 / 4 (one group per "
+    print(f"\ndecode step time (ms), compiled, K/V stored in the compute dtype vs --kv-bits 16 (float16) / 8 / 4 (one group per "
           f"token and head); budget {args.budget:g} for policies other than full; KV = MB the caches hold. "
           f"Quality: {ids.shape[1]} tokens of {args.quality_text!r}, the first half prefilled, the second "
           "teacher-forced through the decode step; KL(fp32 K/V || quantized) and top-1 agreement per token\n")
@@ -344,7 +347,7 @@ def bench_kv_bits(model: Transformer, checkpoint: Path, args: argparse.Namespace
         budget = None if policy == "full" else args.budget
         base: dict[int, float] = {}
         reference = forced_logprobs(model, policy, ids, budget)
-        for bits in (None, 8, 4):
+        for bits in (None, 16, 8, 4):
             cells, row = [], {}
             for n in args.lengths:
                 t, _ = step_time(model, policy, n, budget, args.steps, args.repeats, args.compile_scope, kv_bits=bits)
@@ -424,6 +427,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weights", nargs="+", default=["fp32"], choices=["fp32", "bf16", "int8", "int4-g32", "int4-g64"],
                    help="engine, speculate and batch tables: weights of the compiled kvfast rows, quantized in memory as "
                         "quantize.py writes them")
+    p.add_argument("--kv-bits", type=int, nargs="*", default=[], choices=[16, 8, 4],
+                   help="engine table: also run each compiled --weights row with the full cache's K/V stored in "
+                        "these bits (16: float16, as llama.cpp's default cache; 8 / 4: quantized)")
     p.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"],
                    help="engine table: other engines timed in the same run on the same prompts (llama.cpp: its "
                         "prebuilt CPU build on the checkpoint's GGUF, installed on first use into .peers/)")

@@ -226,8 +226,8 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
                         f"({DEFAULT_PYRAMID_BETA})")
     g.add_argument("--kv-bits", type=int, default=None,
                    help=f"store K/V quantized: {' or '.join(map(str, KV_BITS))} bits per value, per token and "
-                        "group of channels, with an fp32 scale and zero point per group (default: the compute "
-                        "dtype); works with every policy")
+                        "group of channels, with an fp32 scale and zero point per group; or 16: float16 values, "
+                        "as llama.cpp's default cache (default: the compute dtype); works with every policy")
     g.add_argument("--kv-group-size", type=int, default=None,
                    help="--kv-bits: channels per scale / zero point; must divide the head dimension (default: "
                         "the head dimension, one group per token and head)")
@@ -354,11 +354,11 @@ class CacheSpec:
             _choice(*LAYER_SCHEDULES)("layer_budget", self.layer_budget)
         if self.pyramid_beta is not None:
             _whole(1)("pyramid_beta", self.pyramid_beta)
-        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
-            raise KVFastError(f"--kv-bits must be {' or '.join(map(str, KV_BITS))}, got {self.kv_bits}")
+        if self.kv_bits is not None and self.kv_bits not in (*KV_BITS, 16):
+            raise KVFastError(f"--kv-bits must be {', '.join(map(str, KV_BITS))} or 16, got {self.kv_bits}")
         if self.kv_group_size is not None:
-            if self.kv_bits is None:
-                raise KVFastError("--kv-group-size is only used with --kv-bits")
+            if self.kv_bits in (None, 16):
+                raise KVFastError("--kv-group-size is only used with --kv-bits 8 or 4")
             _whole(1)("kv_group_size", self.kv_group_size)
         if self.capacity_buckets is not None:
             parse_buckets(str(self.capacity_buckets))
@@ -430,7 +430,10 @@ class CacheFactory:
         self.layer_budget = spec.schedule()
         self.batch_size, self.model_args, self.dtype, self.device = batch_size, model_args, dtype, device
         self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
-        self.kv_bits, self.kv_group_size = spec.kv_bits, spec.kv_group_size or model_args.head_dim
+        # --kv-bits 16 stores float16 values (no codes); 8 / 4 store codes
+        self.kv_bits = spec.kv_bits if spec.kv_bits != 16 else None
+        self.kv_dtype = torch.float16 if spec.kv_bits == 16 else None
+        self.kv_group_size = spec.kv_group_size or model_args.head_dim
         self.pos_shift = spec.pos_shift
         if self.kv_bits and model_args.head_dim % self.kv_group_size:
             raise KVFastError(f"--kv-group-size {self.kv_group_size} does not divide the head dimension "
@@ -565,7 +568,7 @@ class CacheFactory:
                     n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],
                     compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
                     kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
-                    model_args=a, pos_shift=self.pos_shift, **tiers, **self.layer_values[layer])
+                    kv_dtype=self.kv_dtype, model_args=a, pos_shift=self.pos_shift, **tiers, **self.layer_values[layer])
         if isinstance(cache, FastGenCache) and self.tokenizer is not None:
             cache.bind(token_classes(self.tokenizer, a.vocab_size))  # one table (cached) for every layer
         return cache
@@ -578,7 +581,7 @@ class CacheFactory:
                            if v is not None)
         comp = f" + {self.prompt_compression} prompt compression" if self.prompt_compression else ""
         quant = (f"; K/V stored as {self.kv_bits}-bit codes, fp32 scale + zero point per {self.kv_group_size} "
-                 "channels" if self.kv_bits else "")
+                 "channels" if self.kv_bits else "; K/V stored as float16" if self.kv_dtype else "")
         pool = (f"; slots per KV head on average, one pool of {self.model_args.n_kv_heads} x that per layer "
                 "shared by the KV heads" if issubclass(self.cls, PoolCache) else "")
         t = self.tiers

@@ -81,7 +81,7 @@ class PoolCache(KVCache):
         if self.kv_bits:
             parts = [*self.quantize(k), *self.quantize(v)]
         else:
-            parts = [k, v]
+            parts = [k.to(self.kv_dtype), v.to(self.kv_dtype)]
         for name, value in zip(self.kv_buffers(), parts):
             buffer = getattr(self, name)
             if slot is None:

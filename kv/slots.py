@@ -134,7 +134,7 @@ class KVCache(nn.Module):
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, capacity: int, *, n_groups: int = 1,
                  prompt_capacity: int | None = None, compressor=None, layer: int = 0,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 kv_bits: int | None = None, kv_group_size: int | None = None,
+                 kv_bits: int | None = None, kv_group_size: int | None = None, kv_dtype: torch.dtype | None = None,
                  model_args: ModelArgs | None = None, pos_shift: bool = False, **params: Any):
         super().__init__()
         unknown = set(params) - set(self.params)
@@ -151,6 +151,7 @@ class KVCache(nn.Module):
         self.model_args = model_args  # RoPE and shapes, for policies that need them (None in unit tests)
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # unquantized K/V's storage (float16: --kv-bits 16); attention reads dtype
         self.kv_bits, self.kv_group_size = kv_bits, (kv_group_size or head_dim) if kv_bits else None
         self.pos_shift = pos_shift
         if pos_shift:
@@ -180,7 +181,7 @@ class KVCache(nn.Module):
                     self.register_buffer(f"{name}_{part}", zeros, persistent=False)
         else:
             for name in ("k", "v"):
-                self.register_buffer(name, torch.zeros((*slots, D), dtype=self.dtype, device=device),
+                self.register_buffer(name, torch.zeros((*slots, D), dtype=self.kv_dtype, device=device),
                                      persistent=False)
         self.register_buffer("slot_pos", torch.full(slots, -1, dtype=torch.long, device=device),
                              persistent=False)
@@ -203,7 +204,7 @@ class KVCache(nn.Module):
             parts = [*quantize_tokens(k, self.kv_bits, self.kv_group_size),
                      *quantize_tokens(v, self.kv_bits, self.kv_group_size)]
         else:
-            parts = [k, v]
+            parts = [k.to(self.kv_dtype), v.to(self.kv_dtype)]
         for name, value in zip(self.kv_buffers(), parts):
             buffer = getattr(self, name)
             if slot is None:
@@ -235,7 +236,7 @@ class KVCache(nn.Module):
         """Every slot's K and V [B, H_kv, C, D] in the compute dtype (dequantized if kv_bits; keys rotated to
         their ranks if pos_shift)."""
         if not self.kv_bits:
-            k, v = self.k, self.v
+            k, v = self.k.to(self.dtype), self.v.to(self.dtype)  # no-op unless stored in float16
         else:
             k = dequantize_tokens(self.k, self.k_scale, self.k_zero, self.kv_bits, self.dtype)
             v = dequantize_tokens(self.v, self.v_scale, self.v_zero, self.kv_bits, self.dtype)

@@ -200,7 +200,8 @@ class Tiers:
     def hot_parts(self, warm: list[Tensor]) -> list[Tensor]:
         if self.kv_bits:
             return warm
-        return [self.dequantize_keys(warm[:3], self.dtype), dequantize_tokens(*warm[3:], self.warm_bits, self.dtype)]
+        return [self.dequantize_keys(warm[:3], self.kv_dtype),
+                dequantize_tokens(*warm[3:], self.warm_bits, self.kv_dtype)]
 
     def count(self, name: str, value: Tensor | int) -> None:
         self.traffic[COUNTERS.index(name)] += value

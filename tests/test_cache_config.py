@@ -47,8 +47,9 @@ def run(capsys, checkpoint, *argv):
      "--drop-interval 35 is larger than the budget allows: at most 31 slots"),
     (["--cache", "window", "--cache-budget", "30", "--recent-window", "20"],
      "give --cache-budget or --recent-window, not both"),
-    (["--kv-bits", "3"], "--kv-bits must be 8 or 4, got 3"),
-    (["--kv-group-size", "16"], "--kv-group-size is only used with --kv-bits"),
+    (["--kv-bits", "3"], "--kv-bits must be 8, 4 or 16, got 3"),
+    (["--kv-group-size", "16"], "--kv-group-size is only used with --kv-bits 8 or 4"),
+    (["--kv-bits", "16", "--kv-group-size", "16"], "--kv-group-size is only used with --kv-bits 8 or 4"),
     (["--cache", "h2o", "--kv-bits", "8", "--kv-group-size", "12"],
      "--kv-group-size 12 does not divide the head dimension 32"),
 ])
