@@ -17,6 +17,7 @@ from cache_testing import (
 )
 from torch._dynamo.utils import counters
 
+import cache as kvcache
 import compilecache
 import generate
 
@@ -271,3 +272,28 @@ def test_block_scope_compiles_runs_that_differ_in_ints_and_floats_in_one_process
         eager = generate_tokens(model, prompt, N_NEW)
         decoder = generate.Decoder(model, compile=True, scope="block")
         assert torch.equal(generate_tokens(model, prompt, N_NEW, decoder), eager), (batch, eps, policy)
+
+
+def test_later_steps_skip_guards_but_new_caches_still_recompile(monkeypatch):
+    """Decoder.decode runs a call's first two plain steps with dynamo's guards and skips them afterwards; caches
+    of another shape set up between calls must still be caught by those guarded steps (a stale graph over the
+    old shapes would be silent wrong output), and every call equals eager decoding."""
+    skipped = []
+    set_stance = torch.compiler.set_stance
+
+    def spy(*args, **kwargs):
+        skipped.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return set_stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    model = tiny_model()
+    decoder = generate.Decoder(model, compile=True)
+    for prompt_len, budget in ((24, None), (40, None), (24, 20)):  # capacities 72, 88, 20
+        prompt = torch.randint(0, 64, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+        model.setup_caches(kvcache.make_cache_factory("h2o" if budget else "full", 1, model.args, prompt_len,
+                                                      N_NEW, budget=budget))
+        before = len(skipped)
+        compiled = generate_tokens(model, prompt, N_NEW, decoder)
+        assert len(skipped) - before == N_NEW - 3 and all(skipped[before:])  # steps 3.. of the call
+        assert torch.equal(compiled, generate_tokens(model, prompt, N_NEW))
+    assert graphs() == 3  # one graph per cache shape, each compiled by a guarded step
