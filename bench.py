@@ -18,10 +18,12 @@ Markdown tables go to stdout, everything measured to --json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -67,12 +69,14 @@ def cpu_summary() -> str:
 
 
 # ---- engine: HF vs ours -------------------------------------------------------------------------------------
-def time_ours(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool, repeats: int,
-              kv_bits: int | None = None) -> dict:
+def ours_run(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool,
+             kv_bits: int | None = None) -> Callable[[], dict]:
+    """One timed greedy run of our engine with a full cache (the first call compiles): its prefill seconds,
+    decode tok/s and tokens."""
     model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, prompt.shape[1], new_tokens, kv_bits=kv_bits))
     decoder = Decoder(model, compile=compile, scope="step")  # the tables' compiled rows: whole-step graphs
 
-    def run() -> tuple[float, float, Tensor]:
+    def run() -> dict:
         for c in model.caches:
             c.reset()
         with torch.inference_mode():
@@ -81,12 +85,29 @@ def time_ours(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile
             t1 = time.perf_counter()
             rest = decoder.decode(first, prompt.shape[1], new_tokens - 1)
             t2 = time.perf_counter()
-        return t1 - t0, (new_tokens - 1) / (t2 - t1), torch.cat([first, rest], 1)
+        return {"prefill_s": t1 - t0, "tok_s": (new_tokens - 1) / (t2 - t1),
+                "tokens": torch.cat([first, rest], 1)[0].tolist(), **weights}
 
-    run()  # warm-up (compilation)
-    runs = [run() for _ in range(repeats)]
-    return {"prefill_s": statistics.median(r[0] for r in runs), "tok_s": statistics.median(r[1] for r in runs),
-            "tokens": runs[-1][2][0].tolist()}
+    weights = {"weight_bytes": model.weight_bytes()} if compile else {}  # the bandwidth-floor column
+    return run
+
+
+def interleaved(runs: dict[str, Callable[[], dict]], repeats: int) -> dict[str, dict]:
+    """Each engine's repeats alternate with the others' (a shared host drifts between separately timed rows),
+    after one untimed round (compiles, warms up); per engine the median prefill and tok/s, and the last run's
+    other fields."""
+    for run in runs.values():
+        run()
+    rounds: dict[str, list[dict]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            rounds[name].append(run())
+    return {name: {**rs[-1], "prefill_s": statistics.median(r["prefill_s"] for r in rs),
+                   "tok_s": statistics.median(r["tok_s"] for r in rs)} for name, rs in rounds.items()}
+
+
+def time_ours(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool, repeats: int) -> dict:
+    return interleaved({"ours": ours_run(model, prompt, new_tokens, compile)}, repeats)["ours"]
 
 
 def load_hf_gguf(gguf: Path):
@@ -141,18 +162,22 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
         rows = {}
         if not args.skip_hf:
             rows["HF transformers generate (fp32, eager)"] = time_hf(gguf, prompt, args.new_tokens, args.repeats)
-        rows["kvfast eager (fp32)"] = time_ours(model, prompt, args.new_tokens, False, args.repeats)
+        # each row its own model (quantized_copy's fp32 is the model itself): its own caches and compiled graph
+        runs = {"kvfast eager (fp32)": ours_run(copy.deepcopy(model), prompt, args.new_tokens, False)}
+        torch._dynamo.config.recompile_limit = max(8, 2 * len(args.weights) * (1 + len(args.kv_bits)))
         for mode in args.weights:
             for bits in (None, *args.kv_bits):
-                name = f"kvfast compiled ({mode}" + (f", {bits}-bit K/V)" if bits else ")")
-                rows[name] = time_ours(models[mode], prompt, args.new_tokens, True, args.repeats, kv_bits=bits)
-                rows[name]["weight_bytes"] = models[mode].weight_bytes()
-                torch._dynamo.reset()
+                m = models[mode] if bits is None else copy.deepcopy(models[mode])
+                runs[f"kvfast compiled ({mode}" + (f", {bits}-bit K/V)" if bits else ")")] = ours_run(
+                    m, prompt, args.new_tokens, True, kv_bits=bits)
         if "llama.cpp" in args.peers:
             from scripts.peer_llamacpp import time_llamacpp
 
-            rows[f"llama.cpp ({gguf.name.split('.')[-2]}, prebuilt CPU build)"] = time_llamacpp(
-                gguf, prompt[0].tolist(), args.new_tokens, threads, args.repeats)
+            tokens = prompt[0].tolist()
+            runs[f"llama.cpp ({gguf.name.split('.')[-2]}, prebuilt CPU build)"] = partial(
+                time_llamacpp, gguf, tokens, args.new_tokens, threads, 1)  # a process per run, its own warm-up
+        rows.update(interleaved(runs, args.repeats))
+        torch._dynamo.reset()
         out["lengths"][prompt_len] = rows
         print_engine_table(rows, prompt_len, bandwidth, args)
     return out
@@ -163,7 +188,7 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
     peer = next((r for name, r in rows.items() if name.startswith("llama.cpp")), None)
     ref = rows.get("kvfast compiled (fp32)", {}).get("tokens")
     print(f"\nprompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
-          f"greedy, median of {args.repeats}; compiled = one graph per step (--compile-scope step); copy bandwidth "
+          f"greedy, median of {args.repeats} (the engines' runs alternating); compiled = one graph per step (--compile-scope step); copy bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s")
     if peer:
         print(f"llama.cpp system_info: {peer['system_info']}")

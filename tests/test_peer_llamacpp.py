@@ -52,6 +52,24 @@ def test_missing_gguf_and_unknown_peer(tmp_path) -> None:
         bench.main(["--peers", "vllm"])
 
 
+def test_engine_runs_alternate_after_one_untimed_round() -> None:
+    """The engine table times every engine's repeats in turn (a shared host drifts between separately timed
+    rows): the first round is untimed, then the medians of the rest."""
+    calls = []
+
+    def engine(name: str, times: list[float]):
+        def run() -> dict:
+            calls.append(name)
+            t = times[len([c for c in calls if c == name]) - 1]
+            return {"prefill_s": t, "tok_s": 1 / t, "tokens": [len(calls)]}
+        return run
+
+    rows = bench.interleaved({"a": engine("a", [9, 1, 3, 2]), "b": engine("b", [9, 4, 6, 5])}, repeats=3)
+    assert calls == ["a", "b"] * 4
+    assert rows["a"]["prefill_s"] == 2 and rows["b"]["prefill_s"] == 5  # 9: the untimed round
+    assert rows["a"]["tok_s"] == 1 / 2 and rows["b"]["tokens"] == [8]
+
+
 def test_agreement_counts_the_common_prefix() -> None:
     assert bench.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
     assert bench.agreement([1, 2], [1, 2, 3]) == 2
