@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import reduce
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -207,7 +207,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     return out.view(B, H, S, D), probs
 
 
-def attend_one_query(q: Tensor, k: Tensor | tuple[Tensor, ...], v: Tensor | tuple[Tensor, ...], mask: Tensor,
+class Codes(NamedTuple):
+    """Channels of quantized K or V that attend_one_query reads without dequantizing them first: the values are
+    codes * scale + zero, one scale and zero point per token ([B, H_kv, T, 1]) for these channels."""
+
+    codes: Tensor  # uint8 [B, H_kv, T, w]
+    scale: Tensor
+    zero: Tensor
+
+
+def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tensor,
                      want_probs: bool = False) -> tuple[Tensor, Tensor | None]:
     """A decode step's attention (one query per row) as multiply-and-sum reductions, inside a compiled CPU graph.
     SDPA's CPU kernel (and a matmul's, when a policy wants the probabilities) has a fixed cost per call that
@@ -216,18 +225,38 @@ def attend_one_query(q: Tensor, k: Tensor | tuple[Tensor, ...], v: Tensor | tupl
     tokens, whole-step graph: 11.4 -> 9.1 ms; README). probs as attend returns them.
 
     k and v may come as tuples of channel blocks (concatenated along the last dim they are k and v: 4-bit K/V's
-    halves, KVCache.channel_blocks), each block reduced apart, so no reduction reads a concatenation."""
+    halves, KVCache.channel_blocks), each block reduced apart, so no reduction reads a concatenation. A block
+    given as Codes is read as its codes, its scale and zero point applied per token outside the reductions:
+    q . (c s + z) = s (q . c) + z sum(q), and sum_t p (c s + z) = sum_t (p s) c + sum_t p z, so each code is
+    converted and multiplied once per query head instead of dequantized once per query head."""
     B, H, _, D = q.shape
-    k_blocks, v_blocks = (x if isinstance(x, tuple) else (x,) for x in (k, v))
-    n_kv = k_blocks[0].shape[1]
-    q_blocks = q.view(B, n_kv, H // n_kv, 1, D).split([b.shape[-1] for b in k_blocks], dim=-1)
-    scores = reduce(torch.add, [(qb * kb.unsqueeze(2)).sum(-1) for qb, kb in zip(q_blocks, k_blocks)])
+    k_blocks, v_blocks = (x if isinstance(x, tuple) and not isinstance(x, Codes) else (x,) for x in (k, v))
+    widths = [(b.codes if isinstance(b, Codes) else b).shape[-1] for b in k_blocks]
+    n_kv = mask.shape[1]
+    q_blocks = q.view(B, n_kv, H // n_kv, 1, D).split(widths, dim=-1)
+    scores = reduce(torch.add, [block_scores(qb, kb) for qb, kb in zip(q_blocks, k_blocks)])
     scores = scores * (1.0 / math.sqrt(D))
     probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)  # [B, n_kv, g, T]
-    p = probs.type_as(v_blocks[0]).unsqueeze(-1)
-    outs = [(p * vb.unsqueeze(2)).sum(-2) for vb in v_blocks]
+    outs = [block_values(probs, vb, q.dtype) for vb in v_blocks]
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(B, H, 1, D)
     return out, probs.unsqueeze(3) if want_probs else None
+
+
+def block_scores(q: Tensor, k: Tensor | Codes) -> Tensor:
+    """q [B, n_kv, g, 1, w] . every key's channels [B, n_kv, T, w] -> [B, n_kv, g, T]."""
+    if not isinstance(k, Codes):
+        return (q * k.unsqueeze(2)).sum(-1)
+    dot = (q * k.codes.unsqueeze(2).to(q.dtype)).sum(-1)
+    return dot * k.scale.squeeze(-1).unsqueeze(2) + k.zero.squeeze(-1).unsqueeze(2) * q.sum(-1)
+
+
+def block_values(probs: Tensor, v: Tensor | Codes, dtype: torch.dtype) -> Tensor:
+    """probs [B, n_kv, g, T] times every value's channels [B, n_kv, T, w] -> [B, n_kv, g, w]."""
+    if not isinstance(v, Codes):
+        return (probs.type_as(v).unsqueeze(-1) * v.unsqueeze(2)).sum(-2)
+    scaled = probs * v.scale.squeeze(-1).unsqueeze(2)
+    out = (scaled.unsqueeze(-1) * v.codes.unsqueeze(2).float()).sum(-2)
+    return (out + (probs * v.zero.squeeze(-1).unsqueeze(2)).sum(-1, keepdim=True)).to(dtype)
 
 
 def attend_pool_one_query(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,

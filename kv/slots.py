@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from kv.quant import dequantize_halves, dequantize_tokens, halves_share_groups, quantize_tokens, storage_width
-from model import KVFastError, ModelArgs, apply_rope, rope_at
+from model import Codes, KVFastError, ModelArgs, apply_rope, rope_at
 
 INF = float("inf")
 
@@ -220,13 +220,29 @@ class KVCache(nn.Module):
         return self.kv_bits != 4 or self.channel_blocks is not None
 
     @property
-    def channel_blocks(self) -> Callable[[], tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] | None:
-        """What model.attend_one_query reads instead of keys_values() (None: keys_values): for 4-bit K/V, every
-        slot's K and V as their two halves of channels, dequantized apart. Not with pos_shift (RoPE mixes the
-        halves) or a scale group across the middle channel."""
-        if self.kv_bits == 4 and not self.pos_shift and halves_share_groups(self.head_dim, self.kv_group_size):
+    def channel_blocks(self) -> Callable[[], tuple[tuple, tuple]] | None:
+        """What model.attend_one_query reads instead of keys_values() (None: keys_values): quantized K/V whose
+        blocks of channels each have one scale group per token as Codes (8-bit: the whole head; 4-bit: the low and
+        the high nibbles), read without dequantizing; other 4-bit groups that do not straddle the middle channel
+        as the two halves, dequantized apart. Not with pos_shift (RoPE at the ranks needs the values)."""
+        if not self.kv_bits or self.pos_shift:
+            return None
+        blocks = 1 if self.kv_bits == 8 else 2
+        if self.kv_group_size in (self.head_dim, self.head_dim // blocks):
+            return self.key_value_codes
+        if self.kv_bits == 4 and halves_share_groups(self.head_dim, self.kv_group_size):
             return self.key_value_halves
         return None
+
+    def key_value_codes(self) -> tuple[tuple[Codes, ...], tuple[Codes, ...]]:
+        def blocks(codes: Tensor, scale: Tensor, zero: Tensor) -> tuple[Codes, ...]:
+            if self.kv_bits == 8:
+                return (Codes(codes, scale, zero),)
+            g = scale.shape[-1] // 2  # 0: one group for both halves
+            return (Codes(codes & 15, scale[..., : g or 1], zero[..., : g or 1]),
+                    Codes(codes >> 4, scale[..., g:], zero[..., g:]))
+
+        return (blocks(self.k, self.k_scale, self.k_zero), blocks(self.v, self.v_scale, self.v_zero))
 
     def key_value_halves(self) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         return (dequantize_halves(self.k, self.k_scale, self.k_zero, self.dtype),

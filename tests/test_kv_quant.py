@@ -16,7 +16,7 @@ from kv.quant import (
     quantize_channels,
     quantize_tokens,
 )
-from model import attend, attend_one_query
+from model import Codes, attend, attend_one_query
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -80,40 +80,68 @@ def test_attention_over_channel_blocks_equals_attention_over_the_whole():
     torch.testing.assert_close(halves, attend(q, k, v, mask, want_probs=False)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_four_bit_caches_fuse_their_attention_where_the_halves_fit():
+def values(block):
+    """A channel block as attention must read it: a tensor as it is, Codes dequantized."""
+    return block if not isinstance(block, Codes) else block.codes.float() * block.scale + block.zero
+
+
+def test_attention_over_codes_equals_attention_over_their_values():
+    """Codes blocks (one scale and zero point per token) are read with the scale and zero point outside the
+    reductions: the same output and probabilities as over the dequantized values, 8-bit whole and 4-bit halves."""
+    g = torch.Generator().manual_seed(1)
+    q, mask = torch.randn(2, 6, 1, 16, generator=g), torch.rand(2, 3, 1, 40, generator=g) < 0.8
+    for bits, width in ((8, 16), (4, 8)):
+        k, v = ([Codes(torch.randint(0, 2**bits, (2, 3, 40, width), dtype=torch.uint8, generator=g),
+                       torch.rand(2, 3, 40, 1, generator=g), torch.randn(2, 3, 40, 1, generator=g))
+                 for _ in range(16 // width)] for _ in "kv")
+        ref, ref_probs = attend_one_query(q, tuple(map(values, k)), tuple(map(values, v)), mask, want_probs=True)
+        out, probs = attend_one_query(q, tuple(k), tuple(v), mask, want_probs=True)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_caches_fuse_their_attention_where_the_blocks_fit():
+    """One scale group per block of channels: Codes (8-bit: the head; 4-bit: each half); 4-bit groups within the
+    halves: the halves dequantized; otherwise (or with pos_shift) keys_values()."""
     model = tiny_model()
-    for kw, blocks in [({}, True), ({"kv_group_size": 4}, True), ({"pos_shift": True}, False)]:
+    D = model.args.head_dim
+    for kw, blocks in [({"kv_bits": 4}, Codes), ({"kv_bits": 4, "kv_group_size": D // 2}, Codes),
+                       ({"kv_bits": 4, "kv_group_size": D // 4}, torch.Tensor), ({"kv_bits": 8}, Codes),
+                       ({"kv_bits": 8, "kv_group_size": D // 2}, None), ({"kv_bits": 4, "pos_shift": True}, None)]:
         policy = "window" if kw.get("pos_shift") else "h2o"
-        model.setup_caches(small_factory(policy, 1, model.args, 24, 8, kv_bits=4, **kw))
+        model.setup_caches(small_factory(policy, 1, model.args, 24, 8, **kw))
         cache = model.caches[0]
-        assert (cache.channel_blocks is not None) == blocks == cache.fuse_one_query, kw
+        assert (cache.channel_blocks is not None) == (blocks is not None), kw
+        assert cache.fuse_one_query == (blocks is not None or kw["kv_bits"] == 8), kw
         if blocks:
-            (k_lo, k_hi), (v_lo, v_hi) = cache.channel_blocks()
+            k_blocks, v_blocks = cache.channel_blocks()
+            assert all(isinstance(b, blocks) for b in (*k_blocks, *v_blocks)), kw
             k, v = cache.keys_values()
-            assert torch.equal(torch.cat([k_lo, k_hi], -1), k) and torch.equal(torch.cat([v_lo, v_hi], -1), v)
+            for got, want in ((k_blocks, k), (v_blocks, v)):
+                torch.testing.assert_close(torch.cat([values(b) for b in got], -1), want, rtol=0, atol=1e-6)
     model.setup_caches(small_factory("adakv", 1, model.args, 24, 8, kv_bits=4))
     assert model.caches[0].channel_blocks is None and not model.caches[0].fuse_one_query  # the pool: whole
 
 
-@pytest.mark.parametrize("group_size", [None, 4])
-def test_four_bit_compiled_step_reads_the_halves_and_equals_eager(group_size, monkeypatch):
+@pytest.mark.parametrize("bits, group_size, read", [(4, None, Codes), (4, 2, torch.Tensor), (8, None, Codes)])
+def test_quantized_compiled_step_reads_the_blocks_and_equals_eager(bits, group_size, read, monkeypatch):
     import model as model_module
 
     torch._dynamo.reset()
     model = tiny_model()
     prompt = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(3))
-    model.setup_caches(small_factory("h2o", 2, model.args, 24, 24, kv_bits=4, kv_group_size=group_size))
+    model.setup_caches(small_factory("h2o", 2, model.args, 24, 24, kv_bits=bits, kv_group_size=group_size))
     eager = generate_tokens(model, prompt, 24)
     seen = {}
     original = model_module.attend_one_query
 
     def spy(q, k, v, *args, **kwargs):
-        seen["halves" if isinstance(k, tuple) else "whole"] = True  # a write: no guard, replayed per step
+        seen[type(k[0]) if isinstance(k, tuple) else "whole"] = True  # a write: no guard, replayed per step
         return original(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(model_module, "attend_one_query", spy)
     compiled = generate_tokens(model, prompt, 24, Decoder(model, compile=True))
-    assert seen == {"halves": True}  # traced through the halves
+    assert seen == {read: True}  # traced through the blocks
     assert torch.equal(compiled, eager)
 
 
