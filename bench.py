@@ -254,42 +254,45 @@ def bench_policies(model: Transformer, args: argparse.Namespace) -> dict:
             cells.append(f"{1e3 * t:.1f} ({full[n] / t:.2f}x), {100 * share:.0f} %")
         print(f"| {policy} | " + " | ".join(cells) + " |", flush=True)
     if len(policies) > 1:
-        results["interleaved"] = interleaved_policies(model, policies, args.lengths[-1], args)
+        setups = {p: {"policy": p, "budget": args.budget} for p in policies}
+        results["interleaved"] = interleaved_caches(model, setups, args.lengths[-1], args)
     return results
 
 
-def interleaved_policies(model: Transformer, policies: list[str], context_len: int, args: argparse.Namespace,
-                         rounds: int = 15) -> dict:
-    """The policies' compiled steps in one process and one Decoder, alternating rounds of args.steps steps
-    (caches filled as after context_len tokens): per policy the median and 10th percentile ms per step, and
-    the ratio of medians to the first policy listed. Rows timed minutes apart drift by more than the 10 % the
-    per-head issue allows on a shared host; alternating in one process they do not."""
-    setups = {}
-    for policy in policies:
-        kvcache.setup_decode_benchmark(model, policy, context_len, max_new_tokens=rounds * args.steps + args.steps + 1,
-                                       budget=args.budget)
-        setups[policy] = list(model.caches)
+def interleaved_caches(model: Transformer, setups: dict[str, dict], context_len: int, args: argparse.Namespace,
+                       rounds: int = 15) -> dict:
+    """Compiled steps over several caches (label -> setup_decode_benchmark's policy and keywords: a budget,
+    kv_bits) in one process and one Decoder, alternating rounds of args.steps steps (caches filled as after
+    context_len tokens): per label the median and 10th percentile ms per step, and the ratio of medians to the
+    first label. Rows timed minutes apart drift by more than the 10 % the per-head issue allows on a shared
+    host; alternating in one process they do not."""
+    caches = {}
+    for label, setup in setups.items():
+        kvcache.setup_decode_benchmark(model, context_len=context_len,
+                                       max_new_tokens=rounds * args.steps + args.steps + 1, **setup)
+        caches[label] = list(model.caches)
     torch._dynamo.reset()
     decoder = Decoder(model, compile=True, scope=args.compile_scope)
-    times: dict[str, list[float]] = {p: [] for p in policies}
+    times: dict[str, list[float]] = {label: [] for label in setups}
     with torch.inference_mode():
         for r in range(rounds + 1):  # the first round compiles
-            for policy, caches in setups.items():
-                model.setup_caches(lambda i, caches=caches: caches[i])
+            for label, layers in caches.items():
+                model.setup_caches(lambda i, layers=layers: layers[i])
                 decoder.choose_block_step()
                 ms = 1e3 * timed_steps(model, decoder, None, context_len + r * args.steps, args.steps)
                 if r:
-                    times[policy].append(ms)
-    base = statistics.median(times[policies[0]])
+                    times[label].append(ms)
+    first = next(iter(setups))
+    base = statistics.median(times[first])
     print(f"\nthe same steps interleaved in one process at {context_len} tokens ({rounds} alternating rounds of "
-          f"{args.steps} steps, one Decoder): ms per step, median (10th percentile), vs {policies[0]}\n")
-    print(f"| policy | step ms | vs {policies[0]} |")
+          f"{args.steps} steps, one Decoder): ms per step, median (10th percentile), vs {first}\n")
+    print(f"| cache | step ms | vs {first} |")
     print("|---|---|---|")
     out = {}
-    for policy, t in times.items():
+    for label, t in times.items():
         med, p10 = statistics.median(t), statistics.quantiles(t, n=10)[0]
-        out[policy] = {"median_ms": med, "p10_ms": p10, "ratio": med / base, "rounds_ms": t}
-        print(f"| {policy} | {med:.2f} ({p10:.2f}) | {med / base:.3f}x |", flush=True)
+        out[label] = {"median_ms": med, "p10_ms": p10, "ratio": med / base, "rounds_ms": t}
+        print(f"| {label} | {med:.2f} ({p10:.2f}) | {med / base:.3f}x |", flush=True)
     return out
 
 
@@ -387,6 +390,9 @@ def bench_kv_bits(model: Transformer, checkpoint: Path, args: argparse.Namespace
             results[f"{policy}/{label}"] = row
             print(f"| {policy} | {label} | " + " | ".join(cells) + f" | {row['kl']:.4f} | {row['top1']:.3f} |",
                   flush=True)
+        setups = {"fp32" if bits is None else f"{bits}-bit": {"policy": policy, "budget": budget, "kv_bits": bits}
+                  for bits in (None, 16, 8, 4)}
+        results[f"{policy}/interleaved"] = interleaved_caches(model, setups, args.lengths[-1], args)
     return results
 
 

@@ -62,12 +62,13 @@ def test_bench_interleaves_the_policies_steps():
     compiled step per policy), nothing recompiled after the first round, ratios against the first policy."""
     import argparse
 
-    from bench import interleaved_policies
+    from bench import interleaved_caches
 
     model = tiny_model()
     counters.clear()
     args = argparse.Namespace(steps=4, budget=0.25, compile_scope="block")
-    out = interleaved_policies(model, ["h2o", "hybrid"], 300, args, rounds=3)
+    setups = {"h2o": {"policy": "h2o", "budget": 0.25}, "hybrid": {"policy": "hybrid", "budget": 0.25}}
+    out = interleaved_caches(model, setups, 300, args, rounds=3)
     assert set(out) == {"h2o", "hybrid"} and out["h2o"]["ratio"] == 1.0
     assert all(len(r["rounds_ms"]) == 3 and min(r["rounds_ms"]) > 0 for r in out.values())
     assert counters["stats"]["unique_graphs"] == 2 and counters["recompiles"] == {}
