@@ -238,9 +238,9 @@ class KVCache(nn.Module):
         def blocks(codes: Tensor, scale: Tensor, zero: Tensor) -> tuple[Codes, ...]:
             if self.kv_bits == 8:
                 return (Codes(codes, scale, zero),)
-            g = scale.shape[-1] // 2  # 0: one group for both halves
-            return (Codes(codes & 15, scale[..., : g or 1], zero[..., : g or 1]),
-                    Codes(codes >> 4, scale[..., g:], zero[..., g:]))
+            if scale.shape[-1] == 1:  # one group for both halves: both nibbles in one pass
+                return (Codes(codes, scale, zero, packed=True),)
+            return (Codes(codes & 15, scale[..., :1], zero[..., :1]), Codes(codes >> 4, scale[..., 1:], zero[..., 1:]))
 
         return (blocks(self.k, self.k_scale, self.k_zero), blocks(self.v, self.v_scale, self.v_zero))
 

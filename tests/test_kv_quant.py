@@ -82,7 +82,9 @@ def test_attention_over_channel_blocks_equals_attention_over_the_whole():
 
 def values(block):
     """A channel block as attention must read it: a tensor as it is, Codes dequantized."""
-    return block if not isinstance(block, Codes) else block.codes.float() * block.scale + block.zero
+    if not isinstance(block, Codes):
+        return block
+    return torch.cat([c.squeeze(2) * block.scale + block.zero for c in block.channels(torch.float32)], -1)
 
 
 def test_attention_over_codes_equals_attention_over_their_values():
@@ -90,10 +92,11 @@ def test_attention_over_codes_equals_attention_over_their_values():
     reductions: the same output and probabilities as over the dequantized values, 8-bit whole and 4-bit halves."""
     g = torch.Generator().manual_seed(1)
     q, mask = torch.randn(2, 6, 1, 16, generator=g), torch.rand(2, 3, 1, 40, generator=g) < 0.8
-    for bits, width in ((8, 16), (4, 8)):
-        k, v = ([Codes(torch.randint(0, 2**bits, (2, 3, 40, width), dtype=torch.uint8, generator=g),
-                       torch.rand(2, 3, 40, 1, generator=g), torch.randn(2, 3, 40, 1, generator=g))
-                 for _ in range(16 // width)] for _ in "kv")
+    for bits, width, packed in ((8, 16, False), (4, 8, False), (4, 8, True)):
+        k, v = ([Codes(torch.randint(0, 2**bits if not packed else 256, (2, 3, 40, width), dtype=torch.uint8,
+                                     generator=g),
+                       torch.rand(2, 3, 40, 1, generator=g), torch.randn(2, 3, 40, 1, generator=g), packed)
+                 for _ in range(16 // width // (2 if packed else 1))] for _ in "kv")
         ref, ref_probs = attend_one_query(q, tuple(map(values, k)), tuple(map(values, v)), mask, want_probs=True)
         out, probs = attend_one_query(q, tuple(k), tuple(v), mask, want_probs=True)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
