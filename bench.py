@@ -460,7 +460,8 @@ def main(argv: list[str] | None = None) -> None:
                         "quantize.py writes them")
     p.add_argument("--kv-bits", type=int, nargs="*", default=[], choices=[16, 8, 4],
                    help="engine table: also run each compiled --weights row with the full cache's K/V stored in "
-                        "these bits (16: float16, as llama.cpp's default cache; 8 / 4: quantized)")
+                        "these bits (16: float16, as llama.cpp's default cache; 8 / 4: quantized); batch table: "
+                        "these K/V formats instead of fp32")
     p.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"],
                    help="engine table: other engines timed in the same run on the same prompts (llama.cpp: its "
                         "prebuilt CPU build on the checkpoint's GGUF, installed on first use into .peers/)")

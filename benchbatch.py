@@ -11,6 +11,7 @@ its own K/V, so the ratio is bounded by (weights + K/V of one row) / (weights / 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -22,10 +23,11 @@ from generate import Decoder
 from model import Transformer
 
 
-def time_batch(model: Transformer, prompts: torch.Tensor, new_tokens: int, repeats: int) -> tuple[float, torch.Tensor]:
+def time_batch(model: Transformer, prompts: torch.Tensor, new_tokens: int, repeats: int,
+               kv_bits: int | None = None) -> tuple[float, torch.Tensor]:
     """(seconds per decode step, tokens [B, new_tokens]) for the rows of prompts [B, S] decoded together."""
     B, S = prompts.shape
-    model.setup_caches(kvcache.make_cache_factory("full", B, model.args, S, new_tokens))
+    model.setup_caches(kvcache.make_cache_factory("full", B, model.args, S, new_tokens, kv_bits=kv_bits))
     torch._dynamo.reset()
     decoder = Decoder(model, compile=True)
     decoder.warm_up(prompts)
@@ -41,10 +43,17 @@ def time_batch(model: Transformer, prompts: torch.Tensor, new_tokens: int, repea
     return statistics.median(times), torch.cat([first, rest], 1)
 
 
+def kv_bytes_per_token(model: Transformer, kv_bits: int | None) -> float:
+    """K/V bytes one token costs in every layer's cache (codes, scales and zero points when quantized)."""
+    cache = kvcache.make_cache_factory("full", 1, model.args, 1, 1, kv_bits=kv_bits)(0)
+    return cache.physical_bytes() / cache.capacity * model.args.n_layers
+
+
 def bench_batch(model: Transformer, args: argparse.Namespace) -> dict:
-    kv_row = 2 * model.args.n_layers * model.args.n_kv_heads * model.args.head_dim * 4  # fp32 K/V bytes per token
     out = {}
-    for prompt_len in args.prompt_len:
+    for prompt_len, kv_bits in itertools.product(args.prompt_len, args.kv_bits or [None]):
+        kv_row = kv_bytes_per_token(model, kv_bits)
+        kv_name = f"{kv_bits}-bit K/V" if kv_bits else "fp32 K/V"
         prompts = torch.randint(100, model.args.vocab_size - 100, (max(1, *args.batch_sizes), prompt_len),
                                 generator=torch.Generator().manual_seed(0))
         for mode in args.weights:
@@ -52,13 +61,13 @@ def bench_batch(model: Transformer, args: argparse.Namespace) -> dict:
             weights, kv = m.weight_bytes(), kv_row * (prompt_len + args.new_tokens // 2)
             rows, alone = {}, None
             for B in sorted({1, *args.batch_sizes}):
-                step, tokens = time_batch(m, prompts[:B], args.new_tokens, args.repeats)
+                step, tokens = time_batch(m, prompts[:B], args.new_tokens, args.repeats, kv_bits)
                 alone = tokens[0] if alone is None else alone
                 rows[B] = {"step_ms": 1e3 * step, "tok_s": B / step, "row0_same": bool(torch.equal(tokens[0], alone)),
                            "bound": B * (weights + kv) / (weights + B * kv)}
-            out[f"{prompt_len}/{mode}"] = rows
+            out[f"{prompt_len}/{mode}" + (f"/{kv_bits}-bit" if kv_bits else "")] = rows
             base = rows[min(rows)]["tok_s"]
-            print(f"\nprompt {prompt_len} tokens, {mode} weights ({weights / 1e6:.0f} MB), fp32 K/V "
+            print(f"\nprompt {prompt_len} tokens, {mode} weights ({weights / 1e6:.0f} MB), {kv_name} "
                   f"({kv / 1e6:.1f} MB per row at mid-generation), full cache, {args.new_tokens} new tokens per row, "
                   f"greedy, compiled (default scope), median of {args.repeats}\n")
             print("| rows B | step (ms) | total tok/s | vs B = 1 | bandwidth bound vs B = 1 | row 0 = its run at B = 1 |")
