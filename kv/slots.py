@@ -14,7 +14,9 @@ evicted first) and the statistics behind it. Every row of the batch and every KV
 
 With kv_bits (8 or 4), k and v hold uint8 codes ([B, H_kv, C, D] or packed [B, H_kv, C, D/2]) beside fp32
 k_scale / k_zero / v_scale / v_zero [B, H_kv, C, D/group]: write_slots quantizes only the tokens it writes,
-keys_values dequantizes for attention (kv.quant). Policies see full-precision K at insert and prefill.
+keys_values dequantizes for attention (kv.quant), and a compiled decode step reads the codes in place
+(channel_blocks: model.Codes). With kv_dtype float16 (--kv-bits 16) k and v hold float16 values, read in the
+compute dtype. Policies see full-precision K at insert and prefill.
 
 With pos_shift (StreamingLLM's positions, --pos-shift) keys are stored before RoPE instead, slot_rank [B, H_kv, C]
 holds each token's rank among the cached tokens (kept incrementally: an eviction lowers the rank of every later
