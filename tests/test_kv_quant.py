@@ -148,13 +148,14 @@ def test_quantized_compiled_step_reads_the_blocks_and_equals_eager(bits, group_s
     assert torch.equal(compiled, eager)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_each_token_is_quantized_once_and_never_drifts(bits):
-    """What attention reads for a slot is the quantization of the K/V written there, however many tokens come
-    after (no re-quantization); memory is the codes plus fp32 scale/zero per group."""
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_each_token_is_stored_once_and_never_drifts(bits):
+    """What attention reads for a slot (in the compute dtype) is the storage of the K/V written there: its
+    quantization (8 / 4 bits) or its float16 rounding (16), however many tokens come after (no re-quantization);
+    memory is the codes plus fp32 scale/zero per group, or float16 values."""
     model = tiny_model()
-    model.setup_caches(kvcache.make_cache_factory("h2o", 1, model.args, 12, 30, budget=16, kv_bits=bits,
-                                                  kv_group_size=4))
+    group = {"kv_group_size": 4} if bits != 16 else {}
+    model.setup_caches(kvcache.make_cache_factory("h2o", 1, model.args, 12, 30, budget=16, kv_bits=bits, **group))
     written = {}
     cache = model.caches[0]
     original_update = cache.update
@@ -163,50 +164,28 @@ def test_each_token_is_quantized_once_and_never_drifts(bits):
         written[int(input_pos)] = (k.clone(), v.clone())
         return original_update(input_pos, k, v)
 
-    cache.update = spy
-    generate_tokens(model, torch.randint(0, 64, (1, 12)), 30)
-    k_all, v_all = cache.keys_values()
-    checked = 0
-    for slot, pos in enumerate(cache.slot_pos[0, 0].tolist()):
-        if pos in written:
-            k, v = written[pos]
-            for new, stored in ((k, k_all), (v, v_all)):
-                expect = dequantize_tokens(*quantize_tokens(new[0, 0, 0], bits, 4), bits, torch.float32)
-                assert torch.equal(stored[0, 0, slot], expect)
-            checked += 1
-    assert checked >= 8  # decoded tokens that survived eviction
-    D, C, H = model.args.head_dim, cache.capacity, model.args.n_kv_heads
-    assert cache.physical_bytes() == 2 * H * C * (D * bits // 8 + 2 * 4 * D // 4)
-
-
-def test_float16_kv_stores_each_value_rounded_once_in_half_the_bytes():
-    """--kv-bits 16: the buffers hold float16, attention reads the float16 rounding of what was written (in the
-    compute dtype), and the cache weighs half the fp32 one."""
-    model = tiny_model()
-    model.setup_caches(kvcache.make_cache_factory("h2o", 1, model.args, 12, 30, budget=16, kv_bits=16))
-    written = {}
-    cache = model.caches[0]
-    original_update = cache.update
-
-    def spy(input_pos, k, v):
-        written[int(input_pos)] = (k.clone(), v.clone())
-        return original_update(input_pos, k, v)
+    def stored_as(x):
+        if bits == 16:
+            return x.half().float()
+        return dequantize_tokens(*quantize_tokens(x, bits, 4), bits, torch.float32)
 
     cache.update = spy
     generate_tokens(model, torch.randint(0, 64, (1, 12)), 30)
-    assert cache.k.dtype == cache.v.dtype == torch.float16
     k_all, v_all = cache.keys_values()
     assert k_all.dtype == v_all.dtype == torch.float32
     checked = 0
     for slot, pos in enumerate(cache.slot_pos[0, 0].tolist()):
         if pos in written:
             for new, stored in zip(written[pos], (k_all, v_all)):
-                assert torch.equal(stored[0, 0, slot], new[0, 0, 0].half().float())
+                assert torch.equal(stored[0, 0, slot], stored_as(new[0, 0, 0]))
             checked += 1
-    assert checked >= 8
+    assert checked >= 8  # decoded tokens that survived eviction
     D, C, H = model.args.head_dim, cache.capacity, model.args.n_kv_heads
-    assert cache.physical_bytes() == 2 * H * C * D * 2
-    assert "K/V stored as float16" in small_factory("h2o", 1, model.args, 12, 30, kv_bits=16).describe()
+    per_value = {16: 2 * D, 8: D + 2 * 4 * D // 4, 4: D // 2 + 2 * 4 * D // 4}[bits]
+    assert cache.physical_bytes() == 2 * H * C * per_value
+    if bits == 16:
+        assert cache.k.dtype == cache.v.dtype == torch.float16
+        assert "K/V stored as float16" in small_factory("h2o", 1, model.args, 12, 30, kv_bits=16).describe()
 
 
 @pytest.mark.parametrize("policy", ["full", "h2o", "adakv", "hybrid"])
