@@ -241,15 +241,17 @@ class Decoder:
                 steps: int = WARMUP_STEPS) -> tuple[int, int]:
         """Call every compiled function `steps` times on throwaway cache state, with the shapes, dtypes and
         Python arguments of a real sample from prompt idx [B, S], so that the sample then compiles nothing;
-        the caches are reset afterwards. The refresh (and the tiers' flush) runs before each step instead of
-        on its schedule: compiling it must not wait for the interval; the first step recalls (tiers). The global RNG is restored, so
+        the caches are reset afterwards. A compiled refresh (and the tiers' flush) runs before each step instead of
+        on its schedule: compiling it must not wait for the interval; an eager one is not run (nothing to compile);
+        the first step recalls (tiers). The global RNG is restored, so
         a seeded sample does not depend on the warm-up. Returns (decode steps, refreshes) run: a constant,
         whatever the sample's length."""
         model, S = self.model, idx.shape[1]
         if self.dynamic_capacity:
             mark_capacity_dynamic(model.caches)
         self.choose_block_step()
-        refreshes = steps if self.refresh_interval() else 0
+        compiled_refresh = self.refresh is not refresh_caches and getattr(model.caches[0], "compile_refresh", True)
+        refreshes = steps if self.refresh_interval() and compiled_refresh else 0
         tiers = self.tiers()
         devices = [idx.device] if idx.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
