@@ -279,8 +279,8 @@ def attend_pool_one_query(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
     """attend_pool for one query per row inside a compiled CPU graph: each slot is scored only by the g query
     heads of the KV head that owns it (their queries gathered by the slot's owner, a third of the products of
     every query head scoring every slot with H_kv = 3), fused with the masked softmax, the scores laid out
-    [g, P] so the softmax vectorizes along the slots. The probabilities times V stay one matmul: as a
-    reduction Inductor would stream the whole pool once per 8 output channels of every query head."""
+    [g, P] so the softmax vectorizes along the slots. The probabilities times V stay a matmul (halves_product):
+    as a reduction Inductor would stream the whole pool once per 8 output channels of every query head."""
     B, H, _, D = q.shape
     n_kv, P = mask.shape[1], k.shape[1]
     g = H // n_kv
