@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import generate
 from cache import PROMPT_COMPRESSORS, make_cache_factory
 from kv.pool import AdaKVCache, adakv_budgets
-from model import attend
+from model import attend, halves_product
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -211,6 +211,17 @@ def test_one_query_attention_compiled_equals_the_matmul_path(layout):
     assert fused_probs.shape == probs.shape
     if layout == "pool":  # each query head's probabilities sit on its own KV head's held slots only
         assert torch.equal(fused_probs[0, :, :, 0] > 0, mask[0, :, 0].unsqueeze(1).expand(-1, g, -1))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_halves_product_is_the_matmul(rows):
+    """The pool's probabilities x V: one row goes through the two halves of V's channels as a batch of two."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(rows, 9, 37, generator=gen), -1)
+    v = torch.randn(rows, 37, 16, generator=gen)
+    compiled = torch.compile(halves_product, fullgraph=True, backend="inductor")
+    for out in (halves_product(probs, v), compiled(probs, v)):
+        torch.testing.assert_close(out, torch.bmm(probs, v))
 
 
 @pytest.mark.parametrize("kv_bits", [None, 8, 4])
