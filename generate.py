@@ -136,11 +136,16 @@ def refresh_caches(model: Transformer) -> None:
         c.refresh()
 
 
+def compiles_refresh(model: Transformer) -> bool:
+    """False where the policy says compiling its refresh does not pay (KVCache.compile_refresh)."""
+    return getattr(model.caches[0], "compile_refresh", True)
+
+
 def refresh_as_compiled(compiled: Callable[[Transformer], None]) -> Callable[[Transformer], None]:
-    """The compiled refresh, or the eager one where the policy says compiling it does not pay
-    (KVCache.compile_refresh); read at each call: eval installs its caches after building the Decoder."""
+    """The compiled refresh, or the eager one where compiles_refresh says no; read at each call: eval installs
+    its caches after building the Decoder."""
     def run(model: Transformer) -> None:
-        (compiled if getattr(model.caches[0], "compile_refresh", True) else refresh_caches)(model)
+        (compiled if compiles_refresh(model) else refresh_caches)(model)
     return run
 
 
@@ -250,7 +255,7 @@ class Decoder:
         if self.dynamic_capacity:
             mark_capacity_dynamic(model.caches)
         self.choose_block_step()
-        compiled_refresh = self.refresh is not refresh_caches and getattr(model.caches[0], "compile_refresh", True)
+        compiled_refresh = self.refresh is not refresh_caches and compiles_refresh(model)
         refreshes = steps if self.refresh_interval() and compiled_refresh else 0
         tiers = self.tiers()
         devices = [idx.device] if idx.device.type == "cuda" else []
