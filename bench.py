@@ -38,6 +38,7 @@ from benchtiers import TIER_SPAN, bench_tiers, timed_steps
 from benchtp import bench_tp
 from evalcaches import add_tier_flags, given_tier_flags, tier_settings
 from generate import DEFAULT_CHECKPOINT, ArgumentParser, Decoder, resolve_checkpoint, run_cli
+from kv.quant import KV_FLOATS, kv_format
 from model import KVFastError, Transformer
 
 
@@ -70,10 +71,10 @@ def cpu_summary() -> str:
 
 # ---- engine: HF vs ours -------------------------------------------------------------------------------------
 def ours_run(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool,
-             kv_bits: int | None = None) -> Callable[[], dict]:
+             kv: dict | None = None) -> Callable[[], dict]:
     """One timed greedy run of our engine with a full cache (the first call compiles): its prefill seconds,
-    decode tok/s and tokens."""
-    model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, prompt.shape[1], new_tokens, kv_bits=kv_bits))
+    decode tok/s and tokens. kv: kv_format's keywords."""
+    model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, prompt.shape[1], new_tokens, **(kv or {})))
     decoder = Decoder(model, compile=compile, scope="step")  # the tables' compiled rows: whole-step graphs
 
     def run() -> dict:
@@ -168,8 +169,9 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
         for mode in args.weights:
             for bits in (None, *args.kv_bits):
                 m = models[mode] if bits is None else copy.deepcopy(models[mode])
-                runs[f"kvfast compiled ({mode}" + (f", {bits}-bit K/V)" if bits else ")")] = ours_run(
-                    m, prompt, args.new_tokens, True, kv_bits=bits)
+                kv, name = kv_format(bits, args.kv_float)
+                runs[f"kvfast compiled ({mode}" + (f", {name} K/V)" if bits else ")")] = ours_run(
+                    m, prompt, args.new_tokens, True, kv)
         if "llama.cpp" in args.peers:
             from scripts.peer_llamacpp import time_llamacpp
 
@@ -364,7 +366,7 @@ def bench_kv_bits(model: Transformer, checkpoint: Path, args: argparse.Namespace
     ids = torch.tensor([tokenizer.encode(evaltasks.load_text(args.quality_text))[: args.quality_tokens]])
     policies = args.policies or ["full", "h2o"]
     results: dict[str, dict] = {}
-    print(f"\ndecode step time (ms), compiled, K/V stored in the compute dtype vs --kv-bits 16 (float16) / 8 / 4 (one group per "
+    print(f"\ndecode step time (ms), compiled, K/V stored in the compute dtype vs --kv-bits 16 ({kv_format(16, args.kv_float)[1]}) / 8 / 4 (one group per "
           f"token and head); budget {args.budget:g} for policies other than full; KV = MB the caches hold. "
           f"Quality: {ids.shape[1]} tokens of {args.quality_text!r}, the first half prefilled, the second "
           "teacher-forced through the decode step; KL(fp32 K/V || quantized) and top-1 agreement per token\n")
@@ -377,20 +379,21 @@ def bench_kv_bits(model: Transformer, checkpoint: Path, args: argparse.Namespace
         reference = forced_logprobs(model, policy, ids, budget)
         for bits in (None, 16, 8, 4):
             cells, row = [], {}
+            kv, label = kv_format(bits, args.kv_float)
             for n in args.lengths:
-                t, _ = step_time(model, policy, n, budget, args.steps, args.repeats, args.compile_scope, kv_bits=bits)
+                t, _ = step_time(model, policy, n, budget, args.steps, args.repeats, args.compile_scope, **kv)
                 kv_mb = sum(c.physical_bytes() for c in model.caches) / 1e6
                 base.setdefault(n, t)
                 row[n] = {"step_s": t, "kv_MB": kv_mb}
                 cells.append(f"{1e3 * t:.1f} ({base[n] / t:.2f}x), {kv_mb:.1f}")
-            lp = reference if bits is None else forced_logprobs(model, policy, ids, budget, kv_bits=bits)
+            lp = reference if bits is None else forced_logprobs(model, policy, ids, budget, **kv)
             row["kl"] = (reference.exp() * (reference - lp)).sum(-1).mean().item()
             row["top1"] = (lp.argmax(-1) == reference.argmax(-1)).float().mean().item()
-            label = "fp32" if bits is None else f"{bits}-bit"
             results[f"{policy}/{label}"] = row
             print(f"| {policy} | {label} | " + " | ".join(cells) + f" | {row['kl']:.4f} | {row['top1']:.3f} |",
                   flush=True)
-        setups = {"fp32" if bits is None else f"{bits}-bit": {"policy": policy, "budget": budget, "kv_bits": bits}
+        setups = {kv_format(bits, args.kv_float)[1]: {"policy": policy, "budget": budget,
+                                                      **kv_format(bits, args.kv_float)[0]}
                   for bits in (None, 16, 8, 4)}
         results[f"{policy}/interleaved"] = interleaved_caches(model, setups, args.lengths[-1], args)
     return results
@@ -460,8 +463,11 @@ def main(argv: list[str] | None = None) -> None:
                         "quantize.py writes them")
     p.add_argument("--kv-bits", type=int, nargs="*", default=[], choices=[16, 8, 4],
                    help="engine table: also run each compiled --weights row with the full cache's K/V stored in "
-                        "these bits (16: float16, as llama.cpp's default cache; 8 / 4: quantized); batch table: "
-                        "these K/V formats instead of fp32")
+                        "these bits (16: 16-bit floats, --kv-float; 8 / 4: quantized); batch table: these K/V formats "
+                        "instead of fp32; speculate table: also with the full cache in these formats")
+    p.add_argument("--kv-float", default="auto", choices=KV_FLOATS,
+                   help="the 16-bit float of every --kv-bits 16 row (generate.py --kv-float; auto: bfloat16 on a CPU "
+                        "with bfloat16 dot products, else float16), named in the row")
     p.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"],
                    help="engine table: other engines timed in the same run on the same prompts (llama.cpp: its "
                         "prebuilt CPU build on the checkpoint's GGUF, installed on first use into .peers/)")

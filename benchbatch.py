@@ -20,14 +20,16 @@ import torch
 import cache as kvcache
 import quantize
 from generate import Decoder
+from kv.quant import kv_format
 from model import Transformer
 
 
 def time_batch(model: Transformer, prompts: torch.Tensor, new_tokens: int, repeats: int,
-               kv_bits: int | None = None) -> tuple[float, torch.Tensor]:
-    """(seconds per decode step, tokens [B, new_tokens]) for the rows of prompts [B, S] decoded together."""
+               kv: dict | None = None) -> tuple[float, torch.Tensor]:
+    """(seconds per decode step, tokens [B, new_tokens]) for the rows of prompts [B, S] decoded together; kv:
+    kv.quant.kv_format's keywords."""
     B, S = prompts.shape
-    model.setup_caches(kvcache.make_cache_factory("full", B, model.args, S, new_tokens, kv_bits=kv_bits))
+    model.setup_caches(kvcache.make_cache_factory("full", B, model.args, S, new_tokens, **(kv or {})))
     torch._dynamo.reset()
     decoder = Decoder(model, compile=True)
     decoder.warm_up(prompts)
@@ -43,17 +45,18 @@ def time_batch(model: Transformer, prompts: torch.Tensor, new_tokens: int, repea
     return statistics.median(times), torch.cat([first, rest], 1)
 
 
-def kv_bytes_per_token(model: Transformer, kv_bits: int | None) -> float:
+def kv_bytes_per_token(model: Transformer, kv: dict) -> float:
     """K/V bytes one token costs in every layer's cache (codes, scales and zero points when quantized)."""
-    cache = kvcache.make_cache_factory("full", 1, model.args, 1, 1, kv_bits=kv_bits)(0)
+    cache = kvcache.make_cache_factory("full", 1, model.args, 1, 1, **kv)(0)
     return cache.physical_bytes() / cache.capacity * model.args.n_layers
 
 
 def bench_batch(model: Transformer, args: argparse.Namespace) -> dict:
     out = {}
     for prompt_len, kv_bits in itertools.product(args.prompt_len, args.kv_bits or [None]):
-        kv_row = kv_bytes_per_token(model, kv_bits)
-        kv_name = f"{kv_bits}-bit K/V" if kv_bits else "fp32 K/V"
+        kv_spec, kv_label = kv_format(kv_bits, args.kv_float)
+        kv_row = kv_bytes_per_token(model, kv_spec)
+        kv_name = f"{kv_label} K/V"
         prompts = torch.randint(100, model.args.vocab_size - 100, (max(1, *args.batch_sizes), prompt_len),
                                 generator=torch.Generator().manual_seed(0))
         for mode in args.weights:
@@ -61,11 +64,11 @@ def bench_batch(model: Transformer, args: argparse.Namespace) -> dict:
             weights, kv = m.weight_bytes(), kv_row * (prompt_len + args.new_tokens // 2)
             rows, alone = {}, None
             for B in sorted({1, *args.batch_sizes}):
-                step, tokens = time_batch(m, prompts[:B], args.new_tokens, args.repeats, kv_bits)
+                step, tokens = time_batch(m, prompts[:B], args.new_tokens, args.repeats, kv_spec)
                 alone = tokens[0] if alone is None else alone
                 rows[B] = {"step_ms": 1e3 * step, "tok_s": B / step, "row0_same": bool(torch.equal(tokens[0], alone)),
                            "bound": B * (weights + kv) / (weights + B * kv)}
-            out[f"{prompt_len}/{mode}" + (f"/{kv_bits}-bit" if kv_bits else "")] = rows
+            out[f"{prompt_len}/{mode}" + (f"/{kv_label}" if kv_bits else "")] = rows
             base = rows[min(rows)]["tok_s"]
             print(f"\nprompt {prompt_len} tokens, {mode} weights ({weights / 1e6:.0f} MB), {kv_name} "
                   f"({kv / 1e6:.1f} MB per row at mid-generation), full cache, {args.new_tokens} new tokens per row, "

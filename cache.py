@@ -68,7 +68,7 @@ from kv.hybrid import HybridCache
 from kv.kvzip import KVzipCache, KVzipPrompt
 from kv.policies import FullCache, WindowCache
 from kv.pool import POOL_POLICIES, PoolCache
-from kv.quant import KV_BITS
+from kv.quant import KV_BITS, KV_FLOATS, kv_float_dtype
 from kv.report import cache_report, format_cache_report, format_head_class_report, head_class_report
 from kv.slots import KVCache
 from kv.tiers import TIER_FLAGS, add_tier_args, check_tiers_for, resolve_tiers, tiered
@@ -204,7 +204,7 @@ PARAMS: dict[str, tuple[Any, str]] = {
 # flags that may be given without a value: the value they then take
 PARAM_CONSTS = {"static_threshold": 0.9}
 GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
-           "kv_group_size", "capacity_buckets", "pos_shift", *TIER_FLAGS)
+           "kv_float", "kv_group_size", "capacity_buckets", "pos_shift", *TIER_FLAGS)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
@@ -226,8 +226,14 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
                         f"({DEFAULT_PYRAMID_BETA})")
     g.add_argument("--kv-bits", type=int, default=None,
                    help=f"store K/V quantized: {' or '.join(map(str, KV_BITS))} bits per value, per token and "
-                        "group of channels, with an fp32 scale and zero point per group; or 16: float16 values, "
-                        "as llama.cpp's default cache (default: the compute dtype); works with every policy")
+                        "group of channels, with an fp32 scale and zero point per group; or 16: 16-bit floats "
+                        "(--kv-float) (default: the compute dtype); works with every policy")
+    g.add_argument("--kv-float", default=None,
+                   help=f"--kv-bits 16: {', '.join(KV_FLOATS)}. float16 as llama.cpp's default cache; bfloat16 "
+                        "also runs decode attention's products in bfloat16 (fp32 sums and softmax, as a bfloat16 "
+                        "model's attention), 2.5x fp32 over 4096 slots where the CPU has bfloat16 dot products "
+                        "(a speculative verification's K + 1 queries); auto (default): bfloat16 on a CPU with "
+                        "AVX512-BF16 or AMX, else float16")
     g.add_argument("--kv-group-size", type=int, default=None,
                    help="--kv-bits: channels per scale / zero point; must divide the head dimension (default: "
                         "the head dimension, one group per token and head)")
@@ -294,6 +300,7 @@ class CacheSpec:
     pyramid_beta: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
     kv_bits: int | None = None
+    kv_float: str | None = None
     kv_group_size: int | None = None
     capacity_buckets: str | None = None
     cli: set[str] = field(default_factory=set)  # keys given on the command line (they beat the preset)
@@ -314,7 +321,8 @@ class CacheSpec:
                    budget=merged.get("cache_budget"), layer_budget=merged.get("layer_budget"),
                    pyramid_beta=merged.get("pyramid_beta"),
                    params={k: v for k, v in merged.items() if k in PARAMS}, cli=set(cli),
-                   kv_bits=merged.get("kv_bits"), kv_group_size=merged.get("kv_group_size"),
+                   kv_bits=merged.get("kv_bits"), kv_float=merged.get("kv_float"),
+                   kv_group_size=merged.get("kv_group_size"),
                    capacity_buckets=merged.get("capacity_buckets"), tiers={k: merged[k] for k in TIER_FLAGS if k in merged},
                    pos_shift=bool(merged.get("pos_shift")))
 
@@ -356,6 +364,10 @@ class CacheSpec:
             _whole(1)("pyramid_beta", self.pyramid_beta)
         if self.kv_bits is not None and self.kv_bits not in (*KV_BITS, 16):
             raise KVFastError(f"--kv-bits must be {', '.join(map(str, KV_BITS))} or 16, got {self.kv_bits}")
+        if self.kv_float is not None:
+            _choice(*KV_FLOATS)("kv_float", self.kv_float)
+            if self.kv_bits != 16:
+                raise KVFastError("--kv-float is only used with --kv-bits 16")
         if self.kv_group_size is not None:
             if self.kv_bits in (None, 16):
                 raise KVFastError("--kv-group-size is only used with --kv-bits 8 or 4")
@@ -399,7 +411,7 @@ def cache_factory_from_args(args: argparse.Namespace, batch_size: int, model_arg
 def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: ModelArgs | None = None,
                        prompt_len: int = 0, max_new_tokens: int = 0, *, prompt_compression: str | None = None,
                        budget: float | None = None, layer_budget: str | None = None,
-                       pyramid_beta: int | None = None, kv_bits: int | None = None,
+                       pyramid_beta: int | None = None, kv_bits: int | None = None, kv_float: str | None = None,
                        kv_group_size: int | None = None, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu", tokenizer: Any = None, tiers: dict | None = None,
                        capacity_buckets: str | None = None, pos_shift: bool = False, **params: Any) -> CacheFactory:
@@ -407,7 +419,7 @@ def make_cache_factory(policy: str = "full", batch_size: int = 1, model_args: Mo
     ...); the tokenizer is for compressors that write text (KVzip's instruction)."""
     given = set(params) | ({"cache_budget"} if budget is not None else set())
     spec = CacheSpec(policy, prompt_compression, budget, layer_budget, pyramid_beta, params, kv_bits=kv_bits,
-                     kv_group_size=kv_group_size, capacity_buckets=capacity_buckets, cli=given,
+                     kv_float=kv_float, kv_group_size=kv_group_size, capacity_buckets=capacity_buckets, cli=given,
                      tiers=tiers or {}, pos_shift=pos_shift)
     model_args = model_args or ModelArgs()
     return CacheFactory(spec, batch_size, model_args, prompt_len, max_new_tokens, dtype, device, tokenizer)
@@ -430,9 +442,9 @@ class CacheFactory:
         self.layer_budget = spec.schedule()
         self.batch_size, self.model_args, self.dtype, self.device = batch_size, model_args, dtype, device
         self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
-        # --kv-bits 16 stores float16 values (no codes); 8 / 4 store codes
+        # --kv-bits 16 stores 16-bit floats (no codes); 8 / 4 store codes
         self.kv_bits = spec.kv_bits if spec.kv_bits != 16 else None
-        self.kv_dtype = torch.float16 if spec.kv_bits == 16 else None
+        self.kv_dtype = kv_float_dtype(spec.kv_float or "auto", device) if spec.kv_bits == 16 else None
         self.kv_group_size = spec.kv_group_size or model_args.head_dim
         self.pos_shift = spec.pos_shift
         if self.kv_bits and model_args.head_dim % self.kv_group_size:
@@ -581,7 +593,7 @@ class CacheFactory:
                            if v is not None)
         comp = f" + {self.prompt_compression} prompt compression" if self.prompt_compression else ""
         quant = (f"; K/V stored as {self.kv_bits}-bit codes, fp32 scale + zero point per {self.kv_group_size} "
-                 "channels" if self.kv_bits else "; K/V stored as float16" if self.kv_dtype else "")
+                 "channels" if self.kv_bits else f"; K/V stored as {str(self.kv_dtype)[6:]}" if self.kv_dtype else "")
         pool = (f"; slots per KV head on average, one pool of {self.model_args.n_kv_heads} x that per layer "
                 "shared by the KV heads" if issubclass(self.cls, PoolCache) else "")
         t = self.tiers

@@ -187,23 +187,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     if k.dim() == 3:
         return attend_pool(q, k, v, mask, want_probs)
     n_kv = k.shape[1]
-    if not want_probs:
+    if not want_probs and k.dtype == q.dtype:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), None
         # one mask row per query head: the g heads of a group share their KV head's mask
         mask = mask.repeat_interleave(H // n_kv, dim=1) if H != n_kv else mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), None
     g = H // n_kv
-    # the g query heads of a KV head as g * S rows of one matmul: broadcasting k, v over g would copy them
-    qg = q.reshape(B, n_kv, g * S, D)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).view(B, n_kv, g, S, -1) * (1.0 / math.sqrt(D))
+    # the g query heads of a KV head as g * S rows of one matmul: broadcasting k, v over g would copy them. K/V
+    # in bfloat16 under float queries (--kv-float bfloat16): both products in bfloat16, as a bfloat16 model's
+    # attention (fp32 accumulation, bfloat16 scores and output; softmax in fp32), 2.5x an fp32 matmul's speed
+    # over 4096 slots where the CPU has bfloat16 dot products (README); attend_one_query rounds alike
+    qg = q.to(k.dtype).reshape(B, n_kv, g * S, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().view(B, n_kv, g, S, -1) * (1.0 / math.sqrt(D))
     if mask is None:
         mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     else:
         mask = mask.unsqueeze(2)
-    scores = scores.float().masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs.type_as(v).view(B, n_kv, g * S, -1), v)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = torch.matmul(probs.to(v.dtype).view(B, n_kv, g * S, -1), v).to(q.dtype)
     return out.view(B, H, S, D), probs
 
 
@@ -245,19 +247,23 @@ def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tens
     k_blocks, v_blocks = (x if isinstance(x, tuple) and not isinstance(x, Codes) else (x,) for x in (k, v))
     widths = [b.width if isinstance(b, Codes) else b.shape[-1] for b in k_blocks]
     n_kv = mask.shape[1]
-    q_blocks = q.view(B, n_kv, H // n_kv, 1, D).split(widths, dim=-1)
+    # bfloat16 K/V under float queries: round where attend's bfloat16 matmuls do (the query, the scores, the
+    # probabilities, the output), so a (K + 1)-query verification agrees with the one-query steps it replaces
+    low = k_blocks[0].dtype if not isinstance(k_blocks[0], Codes) and k_blocks[0].dtype != q.dtype else None
+    rounded = (lambda x: x.to(low).to(x.dtype)) if low else (lambda x: x)
+    q_blocks = rounded(q).view(B, n_kv, H // n_kv, 1, D).split(widths, dim=-1)
     scores = reduce(torch.add, [block_scores(qb, kb) for qb, kb in zip(q_blocks, k_blocks)])
-    scores = scores * (1.0 / math.sqrt(D))
-    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)  # [B, n_kv, g, T]
-    outs = [block_values(probs, vb, q.dtype) for vb in v_blocks]
-    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(B, H, 1, D)
+    scores = rounded(scores).float() * (1.0 / math.sqrt(D))
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # [B, n_kv, g, T]
+    outs = [block_values(rounded(probs), vb, q.dtype) for vb in v_blocks]
+    out = rounded(outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(B, H, 1, D)
     return out, probs.unsqueeze(3) if want_probs else None
 
 
 def block_scores(q: Tensor, k: Tensor | Codes) -> Tensor:
     """q [B, n_kv, g, 1, w] . every key's channels [B, n_kv, T, w] -> [B, n_kv, g, T]."""
     if not isinstance(k, Codes):
-        return (q * k.unsqueeze(2)).sum(-1)
+        return (q * k.unsqueeze(2).to(q.dtype)).sum(-1)
     # packed: one reduction over the bytes for both nibbles (as two reductions, 30 layers at 4096 tokens took
     # 5.89 instead of 5.01 ms)
     channels = k.channels(q.dtype)
@@ -268,7 +274,7 @@ def block_scores(q: Tensor, k: Tensor | Codes) -> Tensor:
 def block_values(probs: Tensor, v: Tensor | Codes, dtype: torch.dtype) -> Tensor:
     """probs [B, n_kv, g, T] times every value's channels [B, n_kv, T, w] -> [B, n_kv, g, w]."""
     if not isinstance(v, Codes):
-        return (probs.type_as(v).unsqueeze(-1) * v.unsqueeze(2)).sum(-2)
+        return (probs.to(dtype).unsqueeze(-1) * v.unsqueeze(2).to(dtype)).sum(-2)
     scaled = (probs * v.scale.squeeze(-1).unsqueeze(2)).unsqueeze(-1)
     out = torch.cat([(scaled * c).sum(-2) for c in v.channels(torch.float32)], dim=-1)
     return (out + (probs * v.zero.squeeze(-1).unsqueeze(2)).sum(-1, keepdim=True)).to(dtype)

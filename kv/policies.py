@@ -48,7 +48,7 @@ class FullCache(KVCache):
         self.slot_pos[:, :, input_pos] = input_pos
         self.seen.copy_(input_pos[-1:] + 1)
         pos = self.slot_pos.unsqueeze(2)
-        return *self.keys_values(), (pos >= 0) & (pos <= input_pos.view(1, 1, n, 1))
+        return *self.keys_values(attention=True), (pos >= 0) & (pos <= input_pos.view(1, 1, n, 1))
 
 
 class WindowCache(KVCache):

@@ -250,11 +250,12 @@ class KVCache(nn.Module):
         return (dequantize_halves(self.k, self.k_scale, self.k_zero, self.dtype),
                 dequantize_halves(self.v, self.v_scale, self.v_zero, self.dtype))
 
-    def keys_values(self) -> tuple[Tensor, Tensor]:
+    def keys_values(self, attention: bool = False) -> tuple[Tensor, Tensor]:
         """Every slot's K and V [B, H_kv, C, D] in the compute dtype (dequantized if kv_bits; keys rotated to
-        their ranks if pos_shift)."""
+        their ranks if pos_shift). attention: bfloat16 K/V stay bfloat16, for model.attend to attend in bfloat16."""
         if not self.kv_bits:
-            k, v = self.k.to(self.dtype), self.v.to(self.dtype)  # no-op unless stored in float16
+            keep = attention and self.kv_dtype == torch.bfloat16
+            k, v = (self.k, self.v) if keep else (self.k.to(self.dtype), self.v.to(self.dtype))
         else:
             k = dequantize_tokens(self.k, self.k_scale, self.k_zero, self.kv_bits, self.dtype)
             v = dequantize_tokens(self.v, self.v_scale, self.v_zero, self.kv_bits, self.dtype)
@@ -262,6 +263,18 @@ class KVCache(nn.Module):
             rank = self.slot_rank.clamp(min=0)  # empty slots (-1) are masked anyway
             k = apply_rope(k, self.rank_cos[rank], self.rank_sin[rank])
         return k, v
+
+    def token_kv(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V [B, H_kv, 1, D] of the cached token at position input_pos ([1]; every row and KV head must hold
+        it), in the compute dtype (speculate.py hands the full cache's to the draft)."""
+        slot = (self.slot_pos == input_pos).int().argmax(-1, keepdim=True).unsqueeze(-1)  # [B, H_kv, 1, 1]
+        k, *rest = (b.gather(2, slot.expand(*slot.shape[:3], b.shape[-1]))
+                    for b in (getattr(self, name) for name in self.kv_buffers()))
+        if not self.kv_bits:
+            return k.to(self.dtype), rest[0].to(self.dtype)
+        k_scale, k_zero, v, v_scale, v_zero = rest
+        return (dequantize_tokens(k, k_scale, k_zero, self.kv_bits, self.dtype),
+                dequantize_tokens(v, v_scale, v_zero, self.kv_bits, self.dtype))
 
     def rotate_query(self, q: Tensor) -> Tensor:
         """pos_shift: RoPE for the new query q [B, H, 1, D] (stored unrotated) at its rank, the number of cached
@@ -342,7 +355,7 @@ class KVCache(nn.Module):
         self.slot_pos.scatter_(2, slot.view(B, H, 1), input_pos.view(1, 1, 1).expand(B, H, 1))
         self.seen.copy_(input_pos + 1)
         self.on_insert(slot, k, input_pos)
-        return *self.keys_values(), (self.slot_pos >= 0).unsqueeze(2)
+        return *self.keys_values(attention=True), (self.slot_pos >= 0).unsqueeze(2)
 
     def shift_ranks(self, slot: Tensor) -> None:
         """pos_shift, before the new token overwrites `slot` [B, H_kv, 1]: the tokens after its evicted token

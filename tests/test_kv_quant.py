@@ -148,13 +148,16 @@ def test_quantized_compiled_step_reads_the_blocks_and_equals_eager(bits, group_s
     assert torch.equal(compiled, eager)
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
-def test_each_token_is_stored_once_and_never_drifts(bits):
+FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("bits, kv_float", [(16, "float16"), (16, "bfloat16"), (8, None), (4, None)])
+def test_each_token_is_stored_once_and_never_drifts(bits, kv_float):
     """What attention reads for a slot (in the compute dtype) is the storage of the K/V written there: its
-    quantization (8 / 4 bits) or its float16 rounding (16), however many tokens come after (no re-quantization);
-    memory is the codes plus fp32 scale/zero per group, or float16 values."""
+    quantization (8 / 4 bits) or its 16-bit float rounding, however many tokens come after (no re-quantization);
+    memory is the codes plus fp32 scale/zero per group, or 16-bit values."""
     model = tiny_model()
-    group = {"kv_group_size": 4} if bits != 16 else {}
+    group = {"kv_group_size": 4} if bits != 16 else {"kv_float": kv_float}
     model.setup_caches(kvcache.make_cache_factory("h2o", 1, model.args, 12, 30, budget=16, kv_bits=bits, **group))
     written = {}
     cache = model.caches[0]
@@ -166,7 +169,7 @@ def test_each_token_is_stored_once_and_never_drifts(bits):
 
     def stored_as(x):
         if bits == 16:
-            return x.half().float()
+            return x.to(FLOATS[kv_float]).float()
         return dequantize_tokens(*quantize_tokens(x, bits, 4), bits, torch.float32)
 
     cache.update = spy
@@ -184,21 +187,51 @@ def test_each_token_is_stored_once_and_never_drifts(bits):
     per_value = {16: 2 * D, 8: D + 2 * 4 * D // 4, 4: D // 2 + 2 * 4 * D // 4}[bits]
     assert cache.physical_bytes() == 2 * H * C * per_value
     if bits == 16:
-        assert cache.k.dtype == cache.v.dtype == torch.float16
-        assert "K/V stored as float16" in small_factory("h2o", 1, model.args, 12, 30, kv_bits=16).describe()
+        assert cache.k.dtype == cache.v.dtype == FLOATS[kv_float]
+        factory = small_factory("h2o", 1, model.args, 12, 30, kv_bits=16, kv_float=kv_float)
+        assert f"K/V stored as {kv_float}" in factory.describe()
 
 
+@pytest.mark.parametrize("kv_float", ["float16", "bfloat16"])
 @pytest.mark.parametrize("policy", ["full", "h2o", "adakv", "hybrid"])
-def test_float16_kv_compiles_and_equals_eager(policy):
-    """Uniform layout and pool: the compiled step reads float16 K/V inside its fused attention as eager does."""
+def test_float16_kv_compiles_and_equals_eager(policy, kv_float):
+    """Uniform layout and pool: the compiled step reads 16-bit K/V inside its fused attention as eager does; with
+    bfloat16 K/V the uniform layout's one-query reductions round where eager's bfloat16 matmuls do (the pool
+    attends in fp32 either way)."""
     torch._dynamo.reset()
     model = tiny_model()
     prompt = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
-    model.setup_caches(small_factory(policy, 2, model.args, 24, 40, kv_bits=16))
-    eager = generate_tokens(model, prompt, 40)
-    compiled = generate_tokens(model, prompt, 40, Decoder(model, compile=True))
+    model.setup_caches(small_factory(policy, 2, model.args, 24, 40, kv_bits=16, kv_float=kv_float))
+    eager_logits, compiled_logits = [], []
+    eager = generate_tokens(model, prompt, 40, on_logits=lambda i, lg: eager_logits.append(lg))
+    compiled = generate_tokens(model, prompt, 40, Decoder(model, compile=True),
+                               on_logits=lambda i, lg: compiled_logits.append(lg))
     assert torch.equal(compiled, eager)
-    assert model.caches[0].k.dtype == torch.float16
+    # fp32 sums in another order, through a chaotic tiny model; without the matching roundings bfloat16 K/V differ by ~7
+    torch.testing.assert_close(torch.cat(compiled_logits), torch.cat(eager_logits), atol=2e-3, rtol=2e-3)
+    assert model.caches[0].k.dtype == FLOATS[kv_float]
+
+
+def test_bfloat16_kv_attends_in_bfloat16():
+    """attend with bfloat16 K/V under fp32 queries: the one-query reductions (compiled) and the matmuls (eager, and
+    several queries) both equal attention computed from the bfloat16-rounded query, scores, probabilities and
+    output, and differ from fp32 attention over the same K/V by more than that agreement."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(*shape, generator=g) * 3 for shape in ((1, 6, 1, 16), (1, 3, 40, 16), (1, 3, 40, 16)))
+    k, v = k.bfloat16(), v.bfloat16()
+    mask = torch.rand(1, 3, 1, 40, generator=g) < 0.8
+    bf = lambda x: x.bfloat16().float()
+    scores = bf(bf(q).view(1, 3, 2, 16) @ k.float().transpose(-1, -2)) / 4
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    expected = bf(bf(probs) @ v.float()).view(1, 6, 1, 16)
+    fp32 = (torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v.float()).view(1, 6, 1, 16)
+    eager, _ = attend(q, k, v, mask, want_probs=False)
+    Decoder(tiny_model(), compile=True)  # Inductor then rounds where eager does (emulate_precision_casts)
+    compiled, _ = torch.compile(attend, fullgraph=True)(q, k, v, mask, want_probs=False)
+    for got in (eager, compiled):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (fp32 - expected).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("policy", list(kvcache.POLICIES))
@@ -220,13 +253,15 @@ def test_every_policy_compiles_with_quantized_kv(policy):
     assert torch.equal(compiled, eager)
 
 
-@pytest.mark.parametrize("bits, max_kl", [(16, 1e-5), (8, 1e-3), (4, 0.1)])
-def test_logits_stay_close_to_full_precision(bits, max_kl):
+@pytest.mark.parametrize("bits, kv_float, max_kl", [(16, "float16", 1e-5), (16, "bfloat16", 1e-3), (8, None, 1e-3),
+                                                    (4, None, 0.1)])
+def test_logits_stay_close_to_full_precision(bits, kv_float, max_kl):
     model = tiny_model()
     ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(4))
 
     def teacher_forced(kv_bits):
-        model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, 16, 48, kv_bits=kv_bits))
+        floats = {"kv_float": kv_float} if kv_bits == 16 else {}
+        model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, 16, 48, kv_bits=kv_bits, **floats))
         for c in model.caches:
             c.reset()
         out = []

@@ -11,7 +11,7 @@ import generate
 from cache import make_cache_factory
 from generate import Decoder
 from model import KVFastError
-from speculate import Speculator, accept
+from speculate import Speculator, absorb_token, accept
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -148,3 +148,47 @@ def test_speculator_refuses_a_compressed_target():
     model.setup_caches(make_cache_factory("h2o", 1, model.args, 20, 10, budget=12, **small_params("h2o")))
     with pytest.raises(KVFastError, match="verifies with the full cache"):
         Speculator(model, Decoder(model), list(model.caches), 2)
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv_bits": 16, "kv_float": "bfloat16"}, {"kv_bits": 8}])
+def test_compiled_speculation_absorbs_accepted_drafts_without_recompiling(kv):
+    """A draft cache in the same K/V format that evicts nothing accepts every draft, so every round ends by taking
+    dK's K/V from the full cache (absorb_token) instead of a draft step; compiled (block scope), with the full
+    cache in fp32, bfloat16 (its verification's bfloat16 matmuls round as the one-query steps do) or 8-bit codes,
+    the tokens are plain compiled decoding's and nothing compiles after the warm-up."""
+    torch._dynamo.reset()
+    model = tiny_model()
+    prompt = torch.randint(0, 64, (1, PROMPT), generator=torch.Generator().manual_seed(6))
+    model.setup_caches(make_cache_factory("full", 1, model.args, PROMPT, NEW + 3, **kv))
+    decoder = Decoder(model, compile=True, scope="block")
+    plain = generate_tokens(model, prompt, NEW, decoder)
+    drafts = make_cache_factory("window", 1, model.args, PROMPT, NEW + 3, budget=PROMPT + NEW + 3, **kv)
+    spec = Speculator(model, decoder, [drafts(i) for i in range(model.args.n_layers)], 3)
+    spec.warm_up(prompt)
+    graphs = counters["stats"]["unique_graphs"]
+    spec.reset()
+    with torch.inference_mode():
+        first = spec.prefill(model, prompt, 0.0, None)
+        tokens = torch.cat([first, spec.decode(first, PROMPT, NEW - 1)], 1)
+    assert torch.equal(tokens, plain)
+    assert spec.accepted == spec.drafted and spec.rounds > 2  # rounds past the guarded two skip guard evaluation
+    assert counters["stats"]["unique_graphs"] == graphs, "compiled again after the warm-up"
+    assert sum(counters["recompiles"].values()) == 0
+
+
+def test_absorb_token_hands_the_full_caches_kv_to_the_draft():
+    model = tiny_model()
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(7))
+    model.setup_caches(make_cache_factory("full", 1, model.args, 20, 4, kv_bits=8))
+    drafts = make_cache_factory("window", 1, model.args, 20, 4, n_sinks=2, recent_window=6)
+    draft = [drafts(i) for i in range(model.args.n_layers)]
+    with torch.inference_mode():
+        model(ids)
+        absorb_token(model.caches, draft, torch.tensor([13]))
+    for full, small in zip(model.caches, draft):
+        slot = small.slot_pos[0, 0].tolist().index(13)
+        k, v = full.token_kv(torch.tensor([13]))
+        stored = full.keys_values()
+        assert torch.equal(k[0, :, 0], stored[0][0, :, 13]) and torch.equal(v[0, :, 0], stored[1][0, :, 13])
+        assert torch.equal(small.k[0, :, slot], k[0, :, 0]) and torch.equal(small.v[0, :, slot], v[0, :, 0])
+        assert small.tokens_seen() == 14
