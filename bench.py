@@ -466,8 +466,8 @@ def main(argv: list[str] | None = None) -> None:
                         "these bits (16: 16-bit floats, --kv-float; 8 / 4: quantized); batch table: these K/V formats "
                         "instead of fp32; speculate table: also with the full cache in these formats")
     p.add_argument("--kv-float", default="auto", choices=KV_FLOATS,
-                   help="the 16-bit float of every --kv-bits 16 row (generate.py --kv-float; auto: bfloat16 on a CPU "
-                        "with bfloat16 dot products, else float16), named in the row")
+                   help="the 16-bit float of every --kv-bits 16 row (generate.py --kv-float; auto: float16, and for the "
+                        "speculate table bfloat16 on a CPU with bfloat16 dot products), named in the row")
     p.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"],
                    help="engine table: other engines timed in the same run on the same prompts (llama.cpp: its "
                         "prebuilt CPU build on the checkpoint's GGUF, installed on first use into .peers/)")

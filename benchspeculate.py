@@ -75,7 +75,7 @@ def bench_speculate(model: Transformer, checkpoint, args: argparse.Namespace) ->
     out = {}
     for mode, bits in itertools.product(args.weights, (None, *args.kv_bits)):
         m = quantize.quantized_copy(model, mode)
-        kv, kv_name = kv_format(bits, args.kv_float)
+        kv, kv_name = kv_format(bits, args.kv_float, verifies=True)
         for length in args.lengths:
             if len(text_ids) < length:
                 raise KVFastError(f"--quality-text has {len(text_ids)} tokens, fewer than --lengths {length}")

@@ -232,8 +232,8 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
                    help=f"--kv-bits 16: {', '.join(KV_FLOATS)}. float16 as llama.cpp's default cache; bfloat16 "
                         "also runs decode attention's products in bfloat16 (fp32 sums and softmax, as a bfloat16 "
                         "model's attention), 2.5x fp32 over 4096 slots where the CPU has bfloat16 dot products "
-                        "(a speculative verification's K + 1 queries); auto (default): bfloat16 on a CPU with "
-                        "AVX512-BF16 or AMX, else float16")
+                        "(a speculative verification's K + 1 queries); auto (default): bfloat16 with --speculate "
+                        "on a CPU with AVX512-BF16 or AMX, else float16")
     g.add_argument("--kv-group-size", type=int, default=None,
                    help="--kv-bits: channels per scale / zero point; must divide the head dimension (default: "
                         "the head dimension, one group per token and head)")

@@ -17,18 +17,20 @@ A round, with x the last token (not yet in either cache) at position t:
     K/V from the full cache (absorb_token: a copy per layer, not a draft step, which cost ~6 ms of a ~70 ms
     round at 4096 tokens with int8 weights).
 The draft cache's evictions during a rejected stretch are not undone: they only change later drafts.
-After a decode call's first two rounds the draft steps and verifications skip dynamo's guard evaluation, as
+After a decode call's first two rounds the draft steps and verifications skip dynamo's cache lookup, as
 Decoder.decode's plain steps do (~1 ms a call with both caches installed).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-from generate import Decoder, logits_to_probs, run_block
+from compilecache import guard_free
+from generate import Decoder, logits_to_probs, run_block, without_guards
 from model import KVFastError, Transformer
 
 
@@ -105,6 +107,7 @@ class Speculator:
         self.absorbs = not any(c.pos_shift for c in (*self.target, *draft_caches))
         self.rounds = self.drafted = self.accepted = 0
         self.guarded = 0  # rounds of this decode call run with dynamo's guards
+        self.guard_free: dict[str, Callable] = {}  # then each role's guard-free call
 
     def use(self, caches: list[nn.Module]) -> None:
         for layer, cache in zip(self.model.layers, caches):
@@ -123,13 +126,15 @@ class Speculator:
         finally:
             self.use(self.target)
 
-    def unguarded(self, fn, *args):
-        """fn(*args), skipping dynamo's guard evaluation once this decode call's first two rounds have passed
-        them with these caches and shapes (Decoder.skip_guards: the tests count 0 recompiles)."""
-        if self.decoder.skip_guards and self.guarded >= 2:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return fn(*args)
-        return fn(*args)
+    def unguarded(self, role: str, fn, *args):
+        """fn(*args); once this decode call's first two rounds have passed dynamo's guards with these caches and
+        shapes, without dynamo's cache lookup (compilecache.guard_free, as Decoder.decode's plain steps; the tests
+        count 0 recompiles). role: which call this is (the draft step and a plain step share one function)."""
+        if not (self.decoder.skip_guards and self.guarded >= 2):
+            return fn(*args)
+        if role not in self.guard_free:
+            self.guard_free[role] = guard_free(fn, *args) or partial(without_guards, fn)
+        return self.guard_free[role](*args)
 
     def draft_tokens(self, x: Tensor, pos: int, temperature: float, top_k: int | None
                      ) -> tuple[Tensor, Tensor | None]:
@@ -141,7 +146,7 @@ class Speculator:
         for i in range(self.k):
             if interval and (pos + i) % interval == 0:
                 self.decoder.refresh(self.model)
-            x, logits = self.unguarded(self.decoder.step, self.model, x, input_pos, temperature, top_k)
+            x, logits = self.unguarded("draft", self.decoder.step, self.model, x, input_pos, temperature, top_k)
             x = x.clone()
             drafts.append(x)
             if temperature > 0:
@@ -155,7 +160,7 @@ class Speculator:
         drafts, draft_probs = self.draft_tokens(x, pos, temperature, top_k)
         chunk = torch.cat([x[0], drafts]).view(1, -1)
         positions = torch.arange(pos, pos + self.k + 1, device=x.device)
-        logits = self.unguarded(self.verify, self.model, chunk, positions)[0]
+        logits = self.unguarded("verify", self.verify, self.model, chunk, positions)[0]
         n, following = accept(drafts, draft_probs, logits, temperature, top_k)
         for cache in self.target:
             cache.truncate(pos + n + 1)
@@ -164,10 +169,11 @@ class Speculator:
         if n == self.k:  # the draft has not read its own last token
             last = torch.tensor([pos + self.k], device=x.device)
             if self.absorbs:
-                self.unguarded(self.absorb, self.target, self.draft, last)
+                self.unguarded("absorb", self.absorb, self.target, self.draft, last)
             else:
                 self.use(self.draft)
-                self.unguarded(self.decoder.step, self.model, drafts[-1].view(1, 1), last, temperature, top_k)
+                self.unguarded("draft", self.decoder.step, self.model, drafts[-1].view(1, 1), last, temperature,
+                               top_k)
                 self.use(self.target)
         self.rounds += 1
         self.guarded += 1
@@ -180,7 +186,7 @@ class Speculator:
         """Up to n tokens after x [1, 1] at start_pos, like Decoder.decode: [1, <=n]."""
         out: list[int] = []
         pos = start_pos
-        self.guarded = 0
+        self.guarded, self.guard_free = 0, {}
         while len(out) < n:
             new = self.round(x, pos, temperature, top_k)
             out.extend(new)

@@ -24,24 +24,27 @@ KV_BITS = (8, 4)
 KV_FLOATS = ("auto", "float16", "bfloat16")  # --kv-bits 16: which 16-bit float
 
 
-def kv_float_dtype(choice: str, device: str | torch.device) -> torch.dtype:
-    """--kv-float: auto is bfloat16 on a CPU with bfloat16 dot products (AVX512-BF16 or AMX tiles), where
-    attention's bfloat16 products run 2.5x fp32's over a 4096-token cache (README), else float16."""
+def kv_float_dtype(choice: str, device: str | torch.device, verifies: bool = False) -> torch.dtype:
+    """--kv-float: auto is float16 (llama.cpp's cache; a one-query step reads it at bfloat16's speed without
+    rounding its attention), except for a speculative verification (verifies: K + 1 queries a step) on a CPU with
+    bfloat16 dot products (AVX512-BF16 or AMX tiles), where attention's bfloat16 products run 2.5x fp32's over a
+    4096-token cache (README) and bfloat16 is chosen."""
     if choice == "auto":
-        fast = torch.device(device).type == "cpu" and (torch.cpu._is_avx512_bf16_supported()
-                                                       or torch.cpu._is_amx_tile_supported())
+        fast = verifies and torch.device(device).type == "cpu" and (torch.cpu._is_avx512_bf16_supported()
+                                                                    or torch.cpu._is_amx_tile_supported())
         return torch.bfloat16 if fast else torch.float16
     return getattr(torch, choice)
 
 
-def kv_format(bits: int | None, kv_float: str = "auto") -> tuple[dict, str]:
+def kv_format(bits: int | None, kv_float: str = "auto", verifies: bool = False) -> tuple[dict, str]:
     """make_cache_factory's K/V keywords for --kv-bits `bits` (None: the compute dtype; 16: the --kv-float, auto
-    resolved for this CPU) and the tables' name for it."""
+    resolved for this CPU and use) and the tables' name for it."""
     if bits is None:
         return {}, "fp32"
     if bits != 16:
         return {"kv_bits": bits}, f"{bits}-bit"
-    return {"kv_bits": 16, "kv_float": kv_float}, str(kv_float_dtype(kv_float, "cpu")).removeprefix("torch.")
+    name = str(kv_float_dtype(kv_float, "cpu", verifies)).removeprefix("torch.")
+    return {"kv_bits": 16, "kv_float": name}, name
 
 
 def storage_width(head_dim: int, bits: int) -> int:

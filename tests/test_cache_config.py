@@ -50,6 +50,8 @@ def run(capsys, checkpoint, *argv):
     (["--kv-bits", "3"], "--kv-bits must be 8, 4 or 16, got 3"),
     (["--kv-group-size", "16"], "--kv-group-size is only used with --kv-bits 8 or 4"),
     (["--kv-bits", "16", "--kv-group-size", "16"], "--kv-group-size is only used with --kv-bits 8 or 4"),
+    (["--kv-float", "bfloat16"], "--kv-float is only used with --kv-bits 16"),
+    (["--kv-bits", "16", "--kv-float", "fp8"], "--kv-float must be one of auto, float16, bfloat16, got 'fp8'"),
     (["--cache", "h2o", "--kv-bits", "8", "--kv-group-size", "12"],
      "--kv-group-size 12 does not divide the head dimension 32"),
 ])

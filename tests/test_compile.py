@@ -20,6 +20,7 @@ from torch._dynamo.utils import counters
 import cache as kvcache
 import compilecache
 import generate
+from compilecache import guard_free
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -275,17 +276,23 @@ def test_block_scope_compiles_runs_that_differ_in_ints_and_floats_in_one_process
 
 
 def test_later_steps_skip_guards_but_new_caches_still_recompile(monkeypatch):
-    """Decoder.decode runs a call's first two plain steps with dynamo's guards and skips them afterwards; caches
-    of another shape set up between calls must still be caught by those guarded steps (a stale graph over the
-    old shapes would be silent wrong output), and every call equals eager decoding."""
-    skipped = []
-    set_stance = torch.compiler.set_stance
+    """Decoder.decode runs a call's first two plain steps with dynamo's guards and afterwards calls the compiled
+    code those guards chose directly (compilecache.guard_free, picked by evaluating every entry's guards on the
+    third step's inputs); caches of another shape set up between calls must still be caught by the guarded steps
+    (a stale graph over the old shapes would be silent wrong output), and every call equals eager decoding."""
+    unguarded = []
 
-    def spy(*args, **kwargs):
-        skipped.append(kwargs.get("skip_guard_eval_unsafe", False))
-        return set_stance(*args, **kwargs)
+    def spy(compiled, *args):
+        code = guard_free(compiled, *args)
+        assert code is not None, "no single compiled entry passes its guards"
+        unguarded.append(0)
 
-    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+        def step(*args):
+            unguarded[-1] += 1
+            return code(*args)
+        return step
+
+    monkeypatch.setattr(generate, "guard_free", spy)
     model = tiny_model()
     decoder = generate.Decoder(model, compile=True)
     start = graphs()
@@ -293,8 +300,8 @@ def test_later_steps_skip_guards_but_new_caches_still_recompile(monkeypatch):
         prompt = torch.randint(0, 64, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
         model.setup_caches(kvcache.make_cache_factory("h2o" if budget else "full", 1, model.args, prompt_len,
                                                       N_NEW, budget=budget))
-        before = len(skipped)
+        before = len(unguarded)
         compiled = generate_tokens(model, prompt, N_NEW, decoder)
-        assert len(skipped) - before == N_NEW - 3 and all(skipped[before:])  # steps 3.. of the call
+        assert unguarded[before:] == [N_NEW - 3]  # steps 3.. of the call, one lookup for the call
         assert torch.equal(compiled, generate_tokens(model, prompt, N_NEW))
     assert graphs() - start == 3  # one graph per cache shape, each compiled by a guarded step

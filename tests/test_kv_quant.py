@@ -13,6 +13,7 @@ from kv.quant import (
     dequantize_channels,
     dequantize_halves,
     dequantize_tokens,
+    kv_format,
     quantize_channels,
     quantize_tokens,
 )
@@ -275,3 +276,16 @@ def test_logits_stay_close_to_full_precision(bits, kv_float, max_kl):
     kl = (ref.exp() * (ref - got)).sum(-1).mean()
     assert 0 < kl < max_kl, kl
 
+
+
+@pytest.mark.parametrize("bf16_dot", [True, False])
+def test_kv_float_auto_follows_the_cpu_and_the_use(monkeypatch, bf16_dot):
+    """--kv-bits 16 --kv-float auto (the default): float16, except for a speculative verification on a CPU with
+    bfloat16 dot products (bfloat16); the table rows name what was chosen."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_dot)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert kvcache.make_cache_factory("full", 1, tiny_model().args, 8, 8, kv_bits=16).kv_dtype == torch.float16
+    verify = "bfloat16" if bf16_dot else "float16"
+    assert kv_format(16, verifies=True) == ({"kv_bits": 16, "kv_float": verify}, verify)
+    assert kv_format(16) == ({"kv_bits": 16, "kv_float": "float16"}, "float16")
+    assert kv_format(16, "bfloat16")[1] == "bfloat16" and kv_format(8) == ({"kv_bits": 8}, "8-bit")
