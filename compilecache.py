@@ -230,15 +230,18 @@ def guard_free(compiled: Callable, *args: Any) -> Callable | None:
     strides): the lookup evaluates guards on every weight and cache buffer of every layer, ~1 ms of a 7.5 ms int8
     step at 512 tokens, where torch.compiler.set_stance(skip_guard_eval_unsafe=True) still checks every tensor
     (README). Nothing notices if a later call would fail those guards: the caller must know it cannot."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
     fn = getattr(compiled, "_torchdynamo_orig_callable", None)
     if not isinstance(fn, types.FunctionType):
         return None
     bound = inspect.signature(fn).bind(*args)
     bound.apply_defaults()
     frame_locals = dict(bound.arguments)
-    passing = [e for e in _debug_get_cache_entry_list(fn.__code__) if e.guard_manager.check(frame_locals)]
+    try:  # dynamo's own debugging accessor (torch is pinned; another version may lack it: then guards stay)
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        passing = [e for e in _debug_get_cache_entry_list(fn.__code__) if e.guard_manager.check(frame_locals)]
+    except (ImportError, AttributeError):
+        return None
     if len(passing) != 1:
         return None
     return types.FunctionType(passing[0].code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -172,7 +172,7 @@ class Speculator:
                 self.unguarded("absorb", self.absorb, self.target, self.draft, last)
             else:
                 self.use(self.draft)
-                self.unguarded("draft", self.decoder.step, self.model, drafts[-1].view(1, 1), last, temperature,
+                self.unguarded("catch-up", self.decoder.step, self.model, drafts[-1].view(1, 1), last, temperature,
                                top_k)
                 self.use(self.target)
         self.rounds += 1
