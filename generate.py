@@ -194,10 +194,11 @@ class Decoder:
         self.skip_guards = compile
         if (compile or compile_prefill) and next(model.parameters()).device.type == "cpu":
             trust_cpu_vector_flags()
-        # process-wide: Inductor otherwise keeps a value cast down and back up in fp32 inside a fused kernel, and
-        # bfloat16 K/V's one-query attention (model.attend_one_query) would skip the roundings that make it
-        # agree with the bfloat16 matmuls of eager steps and of a speculative verification
-        inductor_config.emulate_precision_casts = True
+        if compile or compile_prefill:
+            # process-wide: Inductor otherwise keeps a value cast down and back up in fp32 inside a fused kernel,
+            # and bfloat16 K/V's one-query attention (model.attend_one_query) would skip the roundings that make
+            # it agree with the bfloat16 matmuls of eager steps and of a speculative verification
+            inductor_config.emulate_precision_casts = True
         if compile:
             device = str(next(model.parameters()).device)
             self.mode = mode or default_compile_mode(device)
