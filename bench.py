@@ -392,9 +392,8 @@ def bench_kv_bits(model: Transformer, checkpoint: Path, args: argparse.Namespace
             results[f"{policy}/{label}"] = row
             print(f"| {policy} | {label} | " + " | ".join(cells) + f" | {row['kl']:.4f} | {row['top1']:.3f} |",
                   flush=True)
-        setups = {kv_format(bits, args.kv_float)[1]: {"policy": policy, "budget": budget,
-                                                      **kv_format(bits, args.kv_float)[0]}
-                  for bits in (None, 16, 8, 4)}
+        formats = [kv_format(bits, args.kv_float) for bits in (None, 16, 8, 4)]
+        setups = {label: {"policy": policy, "budget": budget, **kv} for kv, label in formats}
         results[f"{policy}/interleaved"] = interleaved_caches(model, setups, args.lengths[-1], args)
     return results
 

@@ -83,20 +83,19 @@ def bench_speculate(model: Transformer, checkpoint, args: argparse.Namespace) ->
             room = args.new_tokens + max(args.draft_k)
             m.setup_caches(kvcache.make_cache_factory("full", 1, m.args, length, room, **kv))
             decoder = Decoder(m, compile=True, scope="block")
-            runners, slots = {"plain": decoder}, {}
+            runners = {"plain": decoder}
             for policy, budget in drafts:
                 factory = kvcache.make_cache_factory(policy, 1, m.args, length, room, budget=budget)
                 draft = [factory(i) for i in range(m.args.n_layers)]
                 for k in args.draft_k:
                     runners[f"{policy}@{budget} K={k}"] = Speculator(m, decoder, draft, k)
-                    slots[f"{policy}@{budget} K={k}"] = draft[0].capacity
             timed = interleaved_runs(runners, m, ids, args.new_tokens, args.repeats)
             plain, plain_tokens = timed["plain"]
             rows = {"plain": {"tok_s": plain}}
             for name, (tok_s, tokens) in timed.items():
                 if name != "plain":
                     spec = runners[name]  # its counters: the last run's
-                    rows[name] = {"tok_s": tok_s, "speedup": tok_s / plain, "slots": slots[name],
+                    rows[name] = {"tok_s": tok_s, "speedup": tok_s / plain, "slots": spec.draft[0].capacity,
                                   "accepted": spec.accepted / spec.drafted,
                                   "per_round": (spec.accepted + spec.rounds) / spec.rounds,
                                   "same_tokens": tokens == plain_tokens}

@@ -51,6 +51,19 @@ def test_greedy_speculation_is_plain_decoding(k, draft, budget):
         assert sorted(cache.slot_pos[0, 0][cache.slot_pos[0, 0] >= 0].tolist()) == list(range(seen))
 
 
+def compiled_speculation(spec: Speculator, model, prompt) -> torch.Tensor:
+    """Warm up, then speculate NEW greedy tokens, asserting nothing compiles after the warm-up; [1, NEW]."""
+    spec.warm_up(prompt)
+    graphs = counters["stats"]["unique_graphs"]
+    spec.reset()
+    with torch.inference_mode():
+        first = spec.prefill(model, prompt, 0.0, None)
+        tokens = torch.cat([first, spec.decode(first, PROMPT, NEW - 1)], 1)
+    assert counters["stats"]["unique_graphs"] == graphs, "compiled again after the warm-up"
+    assert sum(counters["recompiles"].values()) == 0
+    return tokens
+
+
 @pytest.mark.parametrize("scope", ["step", "block"])
 def test_compiled_speculation_matches_eager_without_recompiling(scope):
     torch._dynamo.reset()
@@ -61,15 +74,7 @@ def test_compiled_speculation_matches_eager_without_recompiling(scope):
     drafts = make_cache_factory("h2o", 1, model.args, PROMPT, NEW + 3, budget=16, **small_params("h2o"))
     spec = Speculator(model, Decoder(model, compile=True, scope=scope),
                       [drafts(i) for i in range(model.args.n_layers)], 3)
-    spec.warm_up(prompt)
-    graphs = counters["stats"]["unique_graphs"]
-    spec.reset()
-    with torch.inference_mode():
-        first = spec.prefill(model, prompt, 0.0, None)
-        compiled = torch.cat([first, spec.decode(first, PROMPT, NEW - 1)], 1)
-    assert counters["stats"]["unique_graphs"] == graphs, "compiled again after the warm-up"
-    assert sum(counters["recompiles"].values()) == 0
-    assert torch.equal(compiled, eager)
+    assert torch.equal(compiled_speculation(spec, model, prompt), eager)
 
 
 def test_full_cache_verifies_a_chunk_as_one_token_at_a_time():
@@ -164,16 +169,8 @@ def test_compiled_speculation_absorbs_accepted_drafts_without_recompiling(kv):
     plain = generate_tokens(model, prompt, NEW, decoder)
     drafts = make_cache_factory("window", 1, model.args, PROMPT, NEW + 3, budget=PROMPT + NEW + 3, **kv)
     spec = Speculator(model, decoder, [drafts(i) for i in range(model.args.n_layers)], 3)
-    spec.warm_up(prompt)
-    graphs = counters["stats"]["unique_graphs"]
-    spec.reset()
-    with torch.inference_mode():
-        first = spec.prefill(model, prompt, 0.0, None)
-        tokens = torch.cat([first, spec.decode(first, PROMPT, NEW - 1)], 1)
-    assert torch.equal(tokens, plain)
-    assert spec.accepted == spec.drafted and spec.rounds > 2  # rounds past the guarded two skip guard evaluation
-    assert counters["stats"]["unique_graphs"] == graphs, "compiled again after the warm-up"
-    assert sum(counters["recompiles"].values()) == 0
+    assert torch.equal(compiled_speculation(spec, model, prompt), plain)
+    assert spec.accepted == spec.drafted and spec.rounds > 2  # rounds past the guarded two are guard-free
 
 
 def test_absorb_token_hands_the_full_caches_kv_to_the_draft():
