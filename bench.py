@@ -508,6 +508,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="speculate table: drafts per round (--speculate K), a row each")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="batch table: rows decoded together, a row of the table each (B = 1 is always measured)")
+    p.add_argument("--batch-kernels", nargs="+", choices=["gemm", "reductions"], default=["gemm", "reductions"],
+                   help="batch table: the projection kernels measured from model.GEMM_MIN_ROWS rows, a row each "
+                        "(gemm only where this CPU has one for the weights)")
     p.add_argument("--ragged-lengths", type=int, nargs="+", default=[20, 45, 100, 200, 400, 700, 1200, 2000],
                    help="ragged table: the prompts' lengths in tokens, a row of the batch each")
     p.add_argument("--tp-ranks", type=int, nargs="+", default=[1, 2],

@@ -6,6 +6,8 @@ per row, compiled at the default scope (block on CPU), the median of --repeats a
 ms per step, total tok/s, the ratio to B = 1 and whether row 0 gives the tokens of its run at B = 1. Each step
 reads the weights once for all rows (model.linear's per-row reductions share each weight load) but every row
 its own K/V, so the ratio is bounded by (weights + K/V of one row) / (weights / B + K/V of one row) per row.
+From model.GEMM_MIN_ROWS rows (per weight dtype, where this CPU has a GEMM for it) each --batch-kernels choice is
+a row of its own: the blocked GEMM the compiled step takes there, and the reductions it replaces.
 """
 
 from __future__ import annotations
@@ -18,16 +20,30 @@ import time
 import torch
 
 import cache as kvcache
+import model as mdl
 import quantize
 from generate import Decoder
 from kv.quant import kv_format
 from model import Transformer
 
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}  # int4: reductions only
+
+
+def kernels(rows: int, weight_dtype: torch.dtype | None, choices: list[str]) -> list[str]:
+    """The projection kernels a batch of `rows` one-token rows can take, of `choices` ("gemm", "reductions")."""
+    return choices if rows >= mdl.GEMM_MIN_ROWS.get(weight_dtype, 1 << 30) else ["reductions"]
+
 
 def time_batch(model: Transformer, prompts: torch.Tensor, new_tokens: int, repeats: int,
-               kv: dict | None = None) -> tuple[float, torch.Tensor]:
+               kv: dict | None = None, kernel: str = "gemm") -> tuple[float, torch.Tensor]:
     """(seconds per decode step, tokens [B, new_tokens]) for the rows of prompts [B, S] decoded together; kv:
-    kv.quant.kv_format's keywords."""
+    kv.quant.kv_format's keywords; kernel "reductions" keeps the per-row reductions at any number of rows."""
+    if kernel == "reductions":
+        saved, mdl.GEMM_MIN_ROWS = mdl.GEMM_MIN_ROWS, {}
+        try:
+            return time_batch(model, prompts, new_tokens, repeats, kv)
+        finally:
+            mdl.GEMM_MIN_ROWS = saved
     B, S = prompts.shape
     model.setup_caches(kvcache.make_cache_factory("full", B, model.args, S, new_tokens, **(kv or {})))
     torch._dynamo.reset()
@@ -64,18 +80,20 @@ def bench_batch(model: Transformer, args: argparse.Namespace) -> dict:
             weights, kv = m.weight_bytes(), kv_row * (prompt_len + args.new_tokens // 2)
             rows, alone = {}, None
             for B in sorted({1, *args.batch_sizes}):
-                step, tokens = time_batch(m, prompts[:B], args.new_tokens, args.repeats, kv_spec)
-                alone = tokens[0] if alone is None else alone
-                rows[B] = {"step_ms": 1e3 * step, "tok_s": B / step, "row0_same": bool(torch.equal(tokens[0], alone)),
-                           "bound": B * (weights + kv) / (weights + B * kv)}
-            out[f"{prompt_len}/{mode}" + (f"/{kv_label}" if kv_bits else "")] = rows
+                for kernel in kernels(B, WEIGHT_DTYPES.get(mode), args.batch_kernels):
+                    step, tokens = time_batch(m, prompts[:B], args.new_tokens, args.repeats, kv_spec, kernel)
+                    alone = tokens[0] if alone is None else alone
+                    rows[B, kernel] = {"step_ms": 1e3 * step, "tok_s": B / step, "bound": B * (weights + kv) / (weights + B * kv),
+                                       "row0_same": bool(torch.equal(tokens[0], alone))}
+            out[f"{prompt_len}/{mode}" + (f"/{kv_label}" if kv_bits else "")] = {f"{B}/{k}": r for (B, k), r in rows.items()}
             base = rows[min(rows)]["tok_s"]
             print(f"\nprompt {prompt_len} tokens, {mode} weights ({weights / 1e6:.0f} MB), {kv_name} "
                   f"({kv / 1e6:.1f} MB per row at mid-generation), full cache, {args.new_tokens} new tokens per row, "
                   f"greedy, compiled (default scope), median of {args.repeats}\n")
-            print("| rows B | step (ms) | total tok/s | vs B = 1 | bandwidth bound vs B = 1 | row 0 = its run at B = 1 |")
-            print("|---|---|---|---|---|---|")
-            for B, r in rows.items():
-                print(f"| {B} | {r['step_ms']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['bound']:.1f}x | "
+            print("| rows B | projections | step (ms) | total tok/s | vs B = 1 | bandwidth bound vs B = 1 | "
+                  "row 0 = its run at B = 1 |")
+            print("|---|---|---|---|---|---|---|")
+            for (B, kernel), r in rows.items():
+                print(f"| {B} | {kernel} | {r['step_ms']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['bound']:.1f}x | "
                       f"{'yes' if r['row0_same'] else 'no'} |")
     return out

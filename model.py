@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 
 class KVFastError(Exception):
@@ -95,10 +96,68 @@ def per_row(x: Tensor, row_product: Callable[[Tensor], Tensor]) -> Tensor:
     return y.view(*x.shape[:-1], -1)
 
 
+def gemm_min_rows() -> dict[torch.dtype, int]:
+    """Per weight dtype, the sequences from which a compiled CPU decode step (one token per row) leaves the per-row
+    reductions for a blocked GEMM (batched_linear), where this CPU has a fast one: oneDNN's packed fp32 GEMM
+    wherever oneDNN is built in; the bfloat16 and int8 ones multiply bfloat16 activations, which only CPUs with
+    bfloat16 dot products (AVX512-BF16, AMX) run natively. The rows: crossovers measured on an AVX-512 CPU with
+    SmolLM2-135M (README, "Batched decode"): the reductions are bound by their fp32 multiply-adds from ~4 rows,
+    the GEMM costs about the same at 5 to 8 rows. A verification's tokens of one sequence keep the reductions:
+    each must equal its one-token step bit for bit."""
+    if not torch.backends.mkldnn.is_available():
+        return {}
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return {torch.float32: 5, torch.bfloat16: 8, torch.int8: 8}
+    return {torch.float32: 5}
+
+
+GEMM_MIN_ROWS = gemm_min_rows()  # read at import: dynamo refuses to trace the CPU queries; set it, then reset dynamo
+
+
+@torch._dynamo.assume_constant_result  # a constant of the trace (block scope's subgraph reuse can't guard it)
+def gemm_rows(dtype: torch.dtype) -> int:
+    return GEMM_MIN_ROWS.get(dtype, 1 << 30)
+
+
+def batch_gemm(x: Tensor, weight: Tensor) -> bool:
+    """True for a compiled CPU decode step of at least GEMM_MIN_ROWS[weight dtype] sequences."""
+    return (torch.compiler.is_compiling() and x.device.type == "cpu" and x.dim() == 3 and x.shape[1] == 1
+            and isinstance(x.shape[0], int) and x.shape[0] >= gemm_rows(weight.dtype))
+
+
+_packed = WeakTensorKeyDictionary()  # weight -> its oneDNN-packed copy
+
+
+def _batched_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., in] @ weight.T as one blocked GEMM (fp32 / bfloat16 weights): oneDNN on a copy of the weight packed
+    into its blocked layout at first use and kept while the weight lives (a second copy of the weights). With
+    bfloat16 weights the activations and the output are rounded to bfloat16, as in a bfloat16 model."""
+    packed = _packed.get(weight)
+    if packed is None:
+        packed = _packed[weight] = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[:-1].numel())
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).to(weight.dtype), packed, None, "none", [], "")
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+# A plain library registration: torch.library.custom_op's wrapper costs ~20 us more per call inside a compiled
+# graph, 2.5 ms of an 8-row step's 121 calls. Meta gives compiling its shapes.
+_ops = torch.library.Library("kvfast", "DEF")
+_ops.define("batched_linear(Tensor x, Tensor weight) -> Tensor")
+_ops.impl("batched_linear", _batched_linear, "CPU")
+_ops.impl("batched_linear", lambda x, weight: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
+
+
 def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
     """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`."""
-    weight = weight.to(x.dtype)  # no-op for weights in the compute dtype
-    y = per_row(x, lambda row: (row * weight).sum(-1)) if as_reduction(x) else F.linear(x, weight)
+    if batch_gemm(x, weight) and weight.dtype == torch.int8:  # ATen's int8 x bfloat16 kernel, unit scales
+        rows = realized(x.reshape(-1, x.shape[-1]).bfloat16())  # (its lowering wants stored inputs)
+        y = torch._weight_int8pack_mm(rows, weight, realized(torch.ones(weight.shape[0], dtype=torch.bfloat16)))
+        y = y.to(x.dtype).view(*x.shape[:-1], -1)
+    elif batch_gemm(x, weight):
+        y = torch.ops.kvfast.batched_linear(x, weight)
+    else:
+        weight = weight.to(x.dtype)  # no-op for weights in the compute dtype
+        y = per_row(x, lambda row: (row * weight).sum(-1)) if as_reduction(x) else F.linear(x, weight)
     return y if scales is None else y * scales
 
 
