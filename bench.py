@@ -59,6 +59,13 @@ def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
     return 2 * n_bytes / median_time(lambda: dst.copy_(src), repeats)
 
 
+def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes read per second summing a buffer far larger than the caches: a decode step only reads."""
+    src = torch.ones(n_bytes // 4)
+    src.sum()
+    return n_bytes / median_time(src.sum, repeats)
+
+
 def cpu_summary() -> str:
     """What this CPU can do, read from the machine (every table records it: machines differ between runs)."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -89,22 +96,32 @@ def ours_run(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile:
         return {"prefill_s": t1 - t0, "tok_s": (new_tokens - 1) / (t2 - t1),
                 "tokens": torch.cat([first, rest], 1)[0].tolist(), **weights}
 
-    weights = {"weight_bytes": model.weight_bytes()} if compile else {}  # the bandwidth-floor column
+    # the bandwidth-floor column: a step reads every weight and the whole static K/V buffer (masked past the fill)
+    weights = {"step_bytes": model.weight_bytes() + sum(c.physical_bytes() for c in model.caches)} if compile else {}
     return run
 
 
-def interleaved(runs: dict[str, Callable[[], dict]], repeats: int) -> dict[str, dict]:
+def interleaved(runs: dict[str, Callable[[], dict]], repeats: int, bandwidth: bool = False) -> dict[str, dict]:
     """Each engine's repeats alternate with the others' (a shared host drifts between separately timed rows),
     after one untimed round (compiles, warms up); per engine the median prefill and tok/s, and the last run's
-    other fields."""
+    other fields. bandwidth: the copy and read bandwidths are measured at the start of every round too, and a
+    run that reports its step_bytes gets floor_pct / read_floor_pct, the medians over rounds of its share of that
+    round's floors (the host's bandwidth moves between minutes as much as the engines do)."""
     for run in runs.values():
         run()
     rounds: dict[str, list[dict]] = {name: [] for name in runs}
     for _ in range(repeats):
+        bw = {"copy_bw": copy_bandwidth(repeats=3), "read_bw": read_bandwidth()} if bandwidth else {}
         for name, run in runs.items():
-            rounds[name].append(run())
-    return {name: {**rs[-1], "prefill_s": statistics.median(r["prefill_s"] for r in rs),
-                   "tok_s": statistics.median(r["tok_s"] for r in rs)} for name, rs in rounds.items()}
+            rounds[name].append({**run(), **bw})
+    out = {name: {**rs[-1], "prefill_s": statistics.median(r["prefill_s"] for r in rs),
+                  "tok_s": statistics.median(r["tok_s"] for r in rs)} for name, rs in rounds.items()}
+    for name, rs in rounds.items():
+        if bandwidth and "step_bytes" in rs[-1]:
+            for floor, bw in (("floor_pct", "copy_bw"), ("read_floor_pct", "read_bw")):
+                out[name][floor] = statistics.median(100 * r["tok_s"] * r["step_bytes"] / r[bw] for r in rs)
+                out[name][f"{bw}_GBs"] = [r[bw] / 1e9 for r in rs]
+    return out
 
 
 def time_ours(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool, repeats: int) -> dict:
@@ -178,11 +195,16 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
             tokens = prompt[0].tolist()
             runs[f"llama.cpp ({gguf.name.split('.')[-2]}, prebuilt CPU build)"] = partial(
                 time_llamacpp, gguf, tokens, args.new_tokens, threads, 1)  # a process per run, its own warm-up
-        rows.update(interleaved(runs, args.repeats))
+        rows.update(interleaved(runs, args.repeats, bandwidth=True))
         torch._dynamo.reset()
         out["lengths"][prompt_len] = rows
         print_engine_table(rows, prompt_len, bandwidth, args)
     return out
+
+
+def bandwidths(rows: dict, key: str) -> str:
+    measured = next((r[key] for r in rows.values() if key in r), [])
+    return " / ".join(f"{b:.1f}" for b in measured) or "-"
 
 
 def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argparse.Namespace) -> None:
@@ -191,16 +213,17 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
     ref = rows.get("kvfast compiled (fp32)", {}).get("tokens")
     print(f"\nprompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
           f"greedy, median of {args.repeats} (the engines' runs alternating); compiled = one graph per step (--compile-scope step); copy bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s")
+          f"{bandwidth / 1e9:.1f} GB/s before the table, {bandwidths(rows, 'copy_bw_GBs')} GB/s at the start of each "
+          f"round; read bandwidth {bandwidths(rows, 'read_bw_GBs')} GB/s")
     if peer:
         print(f"llama.cpp system_info: {peer['system_info']}")
-    print("\n| engine | prefill (s) | decode tok/s | vs HF | vs llama.cpp | % of bandwidth floor | "
-          "greedy tokens equal to kvfast fp32 |")
+    print("\n| engine | prefill (s) | decode tok/s | vs HF | vs llama.cpp | % of bandwidth floor: copy / read (weights "
+          "+ K/V per step at each round's bandwidth, median) | greedy tokens equal to kvfast fp32 |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         vs_hf = f"{r['tok_s'] / hf['tok_s']:.2f}x" if hf else "-"
         vs_peer = f"{r['tok_s'] / peer['tok_s']:.2f}x" if peer else "-"
-        floor = f"{100 * r['tok_s'] * r['weight_bytes'] / bandwidth:.0f} %" if "weight_bytes" in r else "-"
+        floor = f"{r['floor_pct']:.0f} % / {r['read_floor_pct']:.0f} %" if "floor_pct" in r else "-"
         same = f"{agreement(r['tokens'], ref)} of {len(ref)}" if ref and "tokens" in r else "-"
         print(f"| {name} | {r['prefill_s']:.2f} | {r['tok_s']:.1f} | {vs_hf} | {vs_peer} | {floor} | {same} |")
 
