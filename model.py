@@ -65,7 +65,8 @@ class ModelArgs:
 # Rows up to which a compiled CPU matmul is written as multiply-and-sum reductions (a batch of one-token rows,
 # speculate.py's verification). Measured on an AVX-512 CPU (README, "Batched decode"): with int8 / bfloat16
 # weights the fused reductions beat F.linear (which converts the whole weight per call) 3-8x at 1-16 rows; with
-# fp32 weights they win up to ~8 rows and break even at 16.
+# fp32 weights they win up to ~8 rows and break even at 16. A batch of one-token rows takes batched_linear's
+# blocked GEMM before that where this CPU has one (GEMM_MIN_ROWS).
 MAX_REDUCTION_ROWS = 16
 
 
@@ -147,14 +148,18 @@ _ops.impl("batched_linear", _batched_linear, "CPU")
 _ops.impl("batched_linear", lambda x, weight: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
 
 
+def int8_gemm(x: Tensor, codes: Tensor) -> Tensor:
+    """x [..., in] @ codes.T for int8 codes in ATen's int8 x bfloat16 kernel inside a compiled graph (unit scales:
+    linear applies the per-row ones in fp32); activations and output rounded to bfloat16."""
+    rows = realized(x.reshape(-1, x.shape[-1]).bfloat16())  # its lowering wants stored inputs
+    y = torch._weight_int8pack_mm(rows, codes, realized(torch.ones(codes.shape[0], dtype=torch.bfloat16)))
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
 def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
     """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`."""
-    if batch_gemm(x, weight) and weight.dtype == torch.int8:  # ATen's int8 x bfloat16 kernel, unit scales
-        rows = realized(x.reshape(-1, x.shape[-1]).bfloat16())  # (its lowering wants stored inputs)
-        y = torch._weight_int8pack_mm(rows, weight, realized(torch.ones(weight.shape[0], dtype=torch.bfloat16)))
-        y = y.to(x.dtype).view(*x.shape[:-1], -1)
-    elif batch_gemm(x, weight):
-        y = torch.ops.kvfast.batched_linear(x, weight)
+    if batch_gemm(x, weight):
+        y = int8_gemm(x, weight) if weight.dtype == torch.int8 else torch.ops.kvfast.batched_linear(x, weight)
     else:
         weight = weight.to(x.dtype)  # no-op for weights in the compute dtype
         y = per_row(x, lambda row: (row * weight).sum(-1)) if as_reduction(x) else F.linear(x, weight)
