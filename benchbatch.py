@@ -31,7 +31,7 @@ WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.in
 
 def kernels(rows: int, weight_dtype: torch.dtype | None, choices: list[str]) -> list[str]:
     """The projection kernels a batch of `rows` one-token rows can take, of `choices` ("gemm", "reductions")."""
-    return choices if rows >= mdl.GEMM_MIN_ROWS.get(weight_dtype, 1 << 30) else ["reductions"]
+    return choices if rows >= mdl.gemm_rows(weight_dtype) else ["reductions"]
 
 
 def time_batch(model: Transformer, prompts: torch.Tensor, new_tokens: int, repeats: int,
