@@ -126,17 +126,19 @@ def batch_gemm(x: Tensor, weight: Tensor) -> bool:
             and isinstance(x.shape[0], int) and x.shape[0] >= gemm_rows(weight.dtype))
 
 
-_packed = WeakTensorKeyDictionary()  # weight -> its oneDNN-packed copy
+_packed = WeakTensorKeyDictionary()  # weight -> (its version, its oneDNN-packed copy)
 
 
 def _batched_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., in] @ weight.T as one blocked GEMM (fp32 / bfloat16 weights): oneDNN on a copy of the weight packed
-    into its blocked layout at first use and kept while the weight lives (a second copy of the weights). With
-    bfloat16 weights the activations and the output are rounded to bfloat16, as in a bfloat16 model."""
-    packed = _packed.get(weight)
-    if packed is None:
-        packed = _packed[weight] = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[:-1].numel())
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).to(weight.dtype), packed, None, "none", [], "")
+    into its blocked layout at first use and kept while the weight lives (a second copy of the weights; packed
+    again after an in-place change, e.g. load_state_dict). With bfloat16 weights the activations and the output
+    are rounded to bfloat16, as in a bfloat16 model."""
+    version = None if weight.is_inference() else weight._version  # inference tensors keep no version counter
+    entry = _packed.get(weight)
+    if entry is None or entry[0] != version:
+        entry = _packed[weight] = (version, torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[:-1].numel()))
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).to(weight.dtype), entry[1], None, "none", [], "")
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
