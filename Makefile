@@ -20,7 +20,7 @@ demo: $(STAMP) checkpoints/SmolLM2-135M-Instruct/config.json
 		--max-new-tokens 64 --temperature 0 --compile --compile-cache checkpoints/compile-cache.bin
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=10
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -30,7 +30,7 @@ data: $(STAMP)
 	$(PY) scripts/fetch_data.py
 
 bench: $(STAMP) checkpoints/SmolLM2-135M-Instruct/config.json
-	$(PY) bench.py
+	$(PY) bench.py engine
 
 clean:
 	rm -rf .venv checkpoints results

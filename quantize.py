@@ -13,9 +13,12 @@ grid of 32 columns, so int4 with --group-size 32 loses almost nothing on them (b
 
 Decoding reads every weight once per token, so it is memory-bound: int8 reads a quarter of fp32's bytes and
 int4 about a fifth, though on a CPU unpacking int4 costs more compute than it saves in bytes (int8 decodes
-fastest here; see the README). Inside the compiled decode step the dequantization is part of model.linear's
+fastest here; see the README). Inside the compiled decode step the dequantization is part of kernels.linear's
 multiply-and-sum (Inductor fuses it into the reduction), so no fp32 copy of a weight is ever materialized;
 prefill and eager decoding dequantize a layer's weight on the fly.
+
+The layers that hold quantized weights are model.py's (from_checkpoint loads a quantized checkpoint without
+this module), their kernels kernels.py's.
 """
 
 from __future__ import annotations
@@ -25,10 +28,21 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from model import KVFastError, Linear, Transformer, as_reduction, linear, per_row
+from cli import DEFAULT_CHECKPOINT, ArgumentParser, resolve_checkpoint, run_cli
+from kernels import dequantize_int4  # noqa: F401 -- the inverse of quantize_int4, as quantize.dequantize_int4
+from model import (
+    BF16Embedding,
+    BF16Linear,
+    Int4Linear,  # noqa: F401 -- quantize.py's layers, under quantize too
+    Int8Embedding,
+    Int8Linear,
+    KVFastError,
+    Transformer,
+    empty_quantized,
+    linears,
+)
 
 MODES = ("int8", "int4", "bf16")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -54,116 +68,7 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tens
     return codes[:, : n_in // 2] | (codes[:, n_in // 2 :] << 4), scales, low
 
 
-def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
-    out, n_groups = scales.shape
-    codes = torch.cat([packed & 15, packed >> 4], 1).view(out, n_groups, -1)
-    return (codes.to(scales.dtype) * scales[..., None] + offsets[..., None]).view(out, -1)
-
-
-# ---- modules that replace the float ones (same names, so state_dict keys stay readable) -----------------------
-class Int8Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__()
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.ones(out_features))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.scales)
-
-
-class Int8Embedding(nn.Module):
-    """Embedding rows as int8 with a scale per row; the tied LM head reads them through model.linear."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__()
-        self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8))
-        self.register_buffer("scales", torch.ones(num_embeddings))
-
-    def forward(self, idx: Tensor) -> Tensor:
-        return F.embedding(idx, self.weight).to(self.scales.dtype) * self.scales[idx].unsqueeze(-1)
-
-
-class BF16Storage(nn.Module):
-    """A bfloat16 weight buffer that model.to(dtype) leaves in bfloat16 (the compute dtype stays the caller's)."""
-
-    def _apply(self, fn, recurse: bool = True):
-        super()._apply(fn, recurse)
-        self.weight = self.weight.to(torch.bfloat16)  # exact: the values were bfloat16
-        return self
-
-
-class BF16Linear(BF16Storage):
-    """Weights stored in bfloat16, computed in the activations' dtype (model.linear converts inside its fused
-    reduction): half of fp32's bytes, for CPUs where reading int8 weights costs more than it saves (bench.py
-    --section quantize records which)."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__()
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight)
-
-
-class BF16Embedding(BF16Storage):
-    """Embedding rows in bfloat16; the tied LM head reads them through model.linear."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__()
-        self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.bfloat16))
-
-    def forward(self, idx: Tensor) -> Tensor:
-        return F.embedding(idx, self.weight)
-
-
-class Int4Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, group_size: int):
-        super().__init__()
-        n_groups = in_features // group_size
-        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.ones(out_features, n_groups))
-        self.register_buffer("offsets", torch.zeros(out_features, n_groups))
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not as_reduction(x):
-            return F.linear(x, dequantize_int4(self.weight, self.scales, self.offsets).to(x.dtype))
-        # sum_j x_j (q_j s + o) = sum_j x_j q_j s + o * (x's group sum). The nibbles are split with float
-        # arithmetic and each half of the row meets a contiguous half of x: both keep Inductor's reduction
-        # vectorized (uint8 bit operations and interleaved columns did not: 3-20x slower here). It is fastest
-        # when a group never straddles the two halves (in / 2 a multiple of the group size).
-        out, n_groups = self.scales.shape
-        half = self.weight.shape[1]
-        codes = self.weight.to(x.dtype)
-        high = torch.floor(codes * (1 / 16))
-        low = codes - 16 * high
-        scales = self.scales.view(out, n_groups, 1).expand(out, n_groups, 2 * half // n_groups).reshape(out, -1)
-
-        def row_product(row: Tensor) -> Tensor:
-            y = (row[:half] * low * scales[:, :half] + row[half:] * high * scales[:, half:]).sum(-1)
-            return y + (self.offsets * row.view(n_groups, -1).sum(-1)).sum(-1)
-
-        return per_row(x, row_product)
-
-
 # ---- whole model ------------------------------------------------------------------------------------------------
-def linears(model: Transformer) -> list[tuple[nn.Module, str, Linear]]:
-    """(parent, attribute, layer) for every linear layer of the transformer blocks."""
-    out = []
-    for block in model.layers:
-        for parent, name in ((block.attention, "wqkv"), (block.attention, "wo"),
-                             (block.feed_forward, "w13"), (block.feed_forward, "w2")):
-            out.append((parent, name, getattr(parent, name)))
-    return out
-
-
-def empty_quantized(lin: Linear, mode: str, group_size: int) -> nn.Module:
-    if mode == "int8":
-        return Int8Linear(lin.in_features, lin.out_features)
-    if mode == "bf16":
-        return BF16Linear(lin.in_features, lin.out_features)
-    return Int4Linear(lin.in_features, lin.out_features, group_size)
-
-
 def check_group_size(model: Transformer, group_size: int) -> None:
     bad = sorted({lin.in_features for _, _, lin in linears(model) if lin.in_features % group_size})
     if bad:
@@ -212,29 +117,11 @@ def quantized_copy(model: Transformer, weights: str) -> Transformer:
     return quantize_model(copy.deepcopy(model), mode, int(group or 32))
 
 
-def prepare_quantized(model: Transformer, state: dict[str, Tensor], source: Path) -> None:
-    """Swap the (meta) float modules of `model` for the quantized ones a quantize.py state dict holds."""
-    wqkv = state.get("layers.0.attention.wqkv.scales")
-    bf16 = state["tok_embeddings.weight"].dtype == torch.bfloat16
-    if not bf16 and (wqkv is None or wqkv.dim() not in (1, 2)):
-        raise KVFastError(f"{source}: not a checkpoint written by quantize.py (quantized embeddings only)")
-    mode = "bf16" if bf16 else "int8" if wqkv.dim() == 1 else "int4"
-    group_size = model.args.dim // wqkv.shape[1] if mode == "int4" else 0
-    for parent, name, lin in linears(model):
-        setattr(parent, name, empty_quantized(lin, mode, group_size))
-    embedding, head = (BF16Embedding, BF16Linear) if bf16 else (Int8Embedding, Int8Linear)
-    model.tok_embeddings = embedding(model.args.vocab_size, model.args.dim)
-    if model.output is not None:
-        model.output = head(model.args.dim, model.args.vocab_size)
-
-
 def output_name(mode: str, group_size: int) -> str:
     return f"model_{mode}.pth" if mode != "int4" else f"model_int4-g{group_size}.pth"
 
 
 def main(argv: list[str] | None = None) -> Path:
-    from generate import DEFAULT_CHECKPOINT, ArgumentParser, resolve_checkpoint
-
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
                    help="float checkpoint folder (or its weights file) to quantize")
@@ -269,6 +156,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from generate import run_cli
-
     sys.exit(run_cli(main))

@@ -1,7 +1,7 @@
 """Quantized K/V storage (--kv-bits 8|4): per token, per group of channels, asymmetric min-max.
 
-The plain per-token baseline of ../shared/reference/algorithms.md (8b; FlexGen-style, what H2O and
-Scissorhands report as compatible): each group of `group_size` channels of one token's key (or value) vector
+The plain per-token baseline (8b; FlexGen-style, what H2O and Scissorhands report as compatible): each
+group of `group_size` channels of one token's key (or value) vector
 gets its own scale and zero point, and codes in [0, 2^bits - 1]. Scale and zero point are fp32, not the
 reference's fp16: with fp16 ones compiled decoding stored other codes than eager (most likely because
 Inductor keeps fp32 where eager code rounds to fp16); fp32 costs 4 more bytes per group.
@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import cpu
+
 KV_BITS = (8, 4)
 KV_FLOATS = ("auto", "float16", "bfloat16")  # --kv-bits 16: which 16-bit float
 
@@ -27,11 +29,10 @@ KV_FLOATS = ("auto", "float16", "bfloat16")  # --kv-bits 16: which 16-bit float
 def kv_float_dtype(choice: str, device: str | torch.device, verifies: bool = False) -> torch.dtype:
     """--kv-float: auto is float16 (llama.cpp's cache; a one-query step reads it at bfloat16's speed without
     rounding its attention), except for a speculative verification (verifies: K + 1 queries a step) on a CPU with
-    bfloat16 dot products (AVX512-BF16 or AMX tiles), where attention's bfloat16 products run 2.5x fp32's over a
-    4096-token cache (README) and bfloat16 is chosen."""
+    bfloat16 dot products (kernels.cpu(): AVX512-BF16 or AMX tiles), where attention's bfloat16 products run 2.5x
+    fp32's over a 4096-token cache (README) and bfloat16 is chosen."""
     if choice == "auto":
-        fast = verifies and torch.device(device).type == "cpu" and (torch.cpu._is_avx512_bf16_supported()
-                                                                    or torch.cpu._is_amx_tile_supported())
+        fast = verifies and torch.device(device).type == "cpu" and cpu().bf16_dot
         return torch.bfloat16 if fast else torch.float16
     return getattr(torch, choice)
 

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import kernels
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -68,6 +70,22 @@ def save_tiny_hf(path: Path, tie: bool, rope_scaling: bool, seed: int = 0, token
                          "{% endfor %}",
     }))
     return model
+
+
+@pytest.fixture(params=[kind for kind in kernels.CPU_KINDS if kind != "native"])
+def cpu_kind(request):
+    """Each forced CPU kind in turn (kernels.force_cpu): the kernel choices of an AVX2, an AVX512-BF16 and an AMX
+    CPU asserted on any host; a test that runs a kind's fast path skips it where kernels.native_runs says no."""
+    with kernels.force_cpu(request.param):
+        yield request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_settings() -> None:
+    """The process-wide torch settings of compiled decoding, set once as the CLI entries set them."""
+    import decode
+
+    decode.configure_torch(compile=True)
 
 
 @pytest.fixture(scope="session")

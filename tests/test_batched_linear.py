@@ -1,6 +1,7 @@
-"""Batched decode's GEMM (model.batched_linear): from GEMM_MIN_ROWS one-token rows a compiled CPU projection
-leaves the per-row reductions for a blocked GEMM; it equals the product it replaces, a verification's tokens of
-one sequence keep the reductions, and a batched compiled decode packs each weight once and follows eager."""
+"""Batched decode's GEMM (kernels.batched_linear): from gemm_rows one-token rows a compiled CPU projection leaves
+the per-row reductions for a blocked GEMM where the CPU has one; it equals the product it replaces, a
+verification's tokens of one sequence keep the reductions, and a batched compiled decode packs each weight once
+and follows eager. The choices are asserted under each forced CPU kind (conftest.cpu_kind)."""
 
 import pytest
 import torch
@@ -12,18 +13,22 @@ from torch._dynamo.utils import counters
 
 import cache as kvcache
 import generate
-import model as mdl
+import kernels
 import quantize
+from model import Linear
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 ROWS = 5
 ALL = {torch.float32: ROWS, torch.bfloat16: ROWS, torch.int8: ROWS}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+BF16_PATHS = ("gemm-onednn-bf16", "int8pack-mm")  # activations and output rounded to bfloat16
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def every_kernel(monkeypatch):
-    """The bfloat16 / int8 kernels run (emulated) on CPUs without bfloat16 dot products too: test them anywhere."""
-    monkeypatch.setattr(mdl, "GEMM_MIN_ROWS", ALL)
+    """Every GEMM from ROWS rows whatever the CPU: the bfloat16 / int8 kernels run (emulated) on CPUs without
+    bfloat16 dot products too, so their results are tested anywhere."""
+    monkeypatch.setattr(kernels, "GEMM_MIN_ROWS", ALL)
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -31,7 +36,7 @@ def every_kernel(monkeypatch):
 
 def layer_and_dense(mode: str, w: torch.Tensor):
     if mode == "fp32":
-        layer = mdl.Linear(w.shape[1], w.shape[0])
+        layer = Linear(w.shape[1], w.shape[0])
         layer.weight.data = w
         return layer, w.clone()
     if mode == "bf16":
@@ -43,13 +48,18 @@ def layer_and_dense(mode: str, w: torch.Tensor):
     return layer, layer.weight.float() * layer.scales[:, None]
 
 
-def gemm_nodes(graph: torch.fx.GraphModule) -> int:
-    targets = (torch.ops.kvfast.batched_linear, torch.ops.kvfast.batched_linear.default, torch._weight_int8pack_mm)
-    return sum(n.target in targets for n in graph.graph.nodes)
+def graph_path(graph: torch.fx.GraphModule, dtype: torch.dtype) -> str:
+    """The kernel a traced projection took, named as kernels.linear_path names it."""
+    targets = {n.target for n in graph.graph.nodes}
+    if targets & {torch.ops.kvfast.batched_linear, torch.ops.kvfast.batched_linear.default}:
+        return kernels.gemm_path(dtype)
+    if torch._weight_int8pack_mm in targets:
+        return "int8pack-mm"
+    return "f-linear" if F.linear in targets else "reductions"
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "int8"])
-def test_batched_rows_take_the_gemm_and_equal_the_product(mode):
+def test_batched_rows_take_the_gemm_and_equal_the_product(mode, every_kernel):
     layer, dense = layer_and_dense(mode, torch.randn(80, 192))
     graphs = EagerAndRecordGraphs()
     traced = torch.compile(layer, fullgraph=True, dynamic=False, backend=graphs)
@@ -66,7 +76,8 @@ def test_batched_rows_take_the_gemm_and_equal_the_product(mode):
                 torch.testing.assert_close(compiled(x), F.linear(x, dense), rtol=1e-5, atol=1e-4)
             traced(x)
     # 4 rows and a verification's 6 tokens of one sequence: reductions; 5 and 16 one-token rows: the GEMM
-    assert [gemm_nodes(g) > 0 for g in graphs.graphs] == [False, False, True, True]
+    gemm = kernels.gemm_path(DTYPES[mode])
+    assert [graph_path(g, DTYPES[mode]) for g in graphs.graphs] == ["reductions", "reductions", gemm, gemm]
     if mode != "int8":  # a weight changed in place (load_state_dict) is packed again, not read stale
         with torch.no_grad():
             layer.weight.mul_(2)
@@ -76,19 +87,40 @@ def test_batched_rows_take_the_gemm_and_equal_the_product(mode):
             torch.testing.assert_close(compiled(x), expected, rtol=2 ** -7 if mode != "fp32" else 1e-5, atol=1e-3)
 
 
-def test_cpus_without_bfloat16_dot_products_keep_the_reductions_for_bf16_and_int8(monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    assert set(mdl.gemm_min_rows()) == {torch.float32}
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    assert set(mdl.gemm_min_rows()) == set(ALL)
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    assert mdl.gemm_min_rows() == {}
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "int8"])
+def test_the_cpu_kind_decides_each_projection_path(mode, cpu_kind):
+    """The traced graph takes the path linear_path names for this kind: its GEMM from gemm_rows one-token rows
+    where it has one for the weights (bfloat16 / int8: only with bfloat16 dot products), the reductions below it
+    and for a verification's tokens of one sequence, F.linear past MAX_REDUCTION_ROWS rows without a GEMM."""
+    dtype = DTYPES[mode]
+    layer, dense = layer_and_dense(mode, torch.randn(80, 192))
+    has_gemm = mode == "fp32" or cpu_kind != "avx2"
+    assert (dtype in kernels.gemm_min_rows()) == has_gemm
+    first = min(kernels.gemm_rows(dtype), kernels.MAX_REDUCTION_ROWS + 1)  # the first rows past the reductions
+    shapes = [(first - 1, 1), (1, 6), (first, 1)]
+    expected = [kernels.linear_path(dtype, rows * tokens, tokens == 1) for rows, tokens in shapes]
+    assert expected == ["reductions", "reductions", kernels.gemm_path(dtype) if has_gemm else "f-linear"]
+    graphs = EagerAndRecordGraphs()
+    traced = torch.compile(layer, fullgraph=True, dynamic=False, backend=graphs)
+    with torch.inference_mode():
+        for rows, tokens in shapes:
+            x = torch.randn(rows, tokens, 192)
+            y = traced(x)
+            if graphs.graphs and graph_path(graphs.graphs[-1], dtype) in BF16_PATHS:
+                torch.testing.assert_close(y, F.linear(x.bfloat16().float(), dense), rtol=2 ** -7, atol=1e-3)
+            else:
+                torch.testing.assert_close(y, F.linear(x, dense), rtol=1e-5, atol=1e-4)
+    assert [graph_path(g, dtype) for g in graphs.graphs] == expected
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "int8"])
-def test_batched_compiled_decode_packs_once_follows_eager_and_never_recompiles(mode):
-    B, S, N = 6, 12, 16
+def test_batched_compiled_decode_packs_once_follows_eager_and_never_recompiles(mode, cpu_kind):
+    """8 rows, the threshold of every GEMM: each projection takes the kind's path for its weights."""
+    B, S, N = 8, 12, 16
+    path = kernels.linear_path(DTYPES[mode], B)
+    if path != "reductions" and not kernels.native_runs(cpu_kind):
+        pytest.skip(f"{path}: this CPU ({kernels.cpu_report()}) would run it emulated, not as {cpu_kind} does")
+    assert path == ("reductions" if mode != "fp32" and cpu_kind == "avx2" else kernels.gemm_path(DTYPES[mode]))
     model = tiny_model() if mode == "fp32" else quantize.quantize_model(tiny_model(), mode, 32)
     prompt = torch.randint(0, TINY.vocab_size, (B, S), generator=torch.Generator().manual_seed(4))
     model.setup_caches(kvcache.make_cache_factory("full", B, TINY, S, N))
@@ -103,7 +135,7 @@ def test_batched_compiled_decode_packs_once_follows_eager_and_never_recompiles(m
         return torch.cat([first, rest], 1), torch.stack(logits)
 
     eager_tokens, eager_logits = run(generate.Decoder(model))
-    mdl._packed.clear()
+    kernels._packed.clear()
     decoder = generate.Decoder(model, compile=True)
     decoder.warm_up(prompt)
     recompiles = sum(counters["recompiles"].values())
@@ -111,8 +143,9 @@ def test_batched_compiled_decode_packs_once_follows_eager_and_never_recompiles(m
     assert sum(counters["recompiles"].values()) == recompiles
     matrices = {m.weight.data_ptr() for m in model.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2}
     assert len(matrices) == 1 + 4 * TINY.n_layers  # the projections and the (tied) head
-    assert len(mdl._packed) == (0 if mode == "int8" else len(matrices))  # each packed once (int8: ATen's own layout)
-    if mode == "fp32":  # the same products in another order
+    onednn = path.startswith("gemm-onednn")  # each weight packed once (int8: ATen's own layout)
+    assert len(kernels._packed) == (len(matrices) if onednn else 0)
+    if path not in BF16_PATHS:  # the same products in another order
         torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
         assert torch.equal(tokens, eager_tokens)
     else:  # eager multiplies in fp32: the GEMM's bfloat16 rounding moves the logits by a bfloat16 model's error

@@ -12,7 +12,8 @@ from torch._dynamo.testing import EagerAndRecordGraphs
 import cache as kvcache
 import generate
 import quantize
-from model import MAX_REDUCTION_ROWS, KVFastError, Linear, Transformer
+from kernels import MAX_REDUCTION_ROWS, dequantize_int4
+from model import KVFastError, Linear, Transformer
 
 torch.manual_seed(0)
 
@@ -35,8 +36,8 @@ def test_int4_packing_and_error_bound(group_size):
     col = 70
     code = (packed[:, col - 64] >> 4).float()
     group = col // group_size
-    assert torch.allclose(code * scales[:, group] + offsets[:, group], quantize.dequantize_int4(packed, scales, offsets)[:, col])
-    err = (quantize.dequantize_int4(packed, scales, offsets) - w).view(24, -1, group_size).abs()
+    assert torch.allclose(code * scales[:, group] + offsets[:, group], dequantize_int4(packed, scales, offsets)[:, col])
+    err = (dequantize_int4(packed, scales, offsets) - w).view(24, -1, group_size).abs()
     assert torch.all(err <= scales[..., None] / 2 + 1e-5)
 
 
@@ -58,7 +59,7 @@ def test_compiled_reduction_equals_dequantized_product(mode):
         dense = w.bfloat16().float()
     else:
         layer.weight, layer.scales, layer.offsets = quantize.quantize_int4(w, 64)
-        dense = quantize.dequantize_int4(layer.weight, layer.scales, layer.offsets)
+        dense = dequantize_int4(layer.weight, layer.scales, layer.offsets)
     torch._dynamo.reset()
     graphs = EagerAndRecordGraphs()
     traced = torch.compile(layer, fullgraph=True, backend=graphs)
@@ -85,7 +86,7 @@ def dequantized_copy(base: Transformer, mode: str, group_size: int) -> Transform
                 codes, scales = quantize.quantize_int8(p)
                 p.copy_(codes.float() * scales[:, None])
             elif p.dim() == 2:
-                p.copy_(quantize.dequantize_int4(*quantize.quantize_int4(p, group_size)))
+                p.copy_(dequantize_int4(*quantize.quantize_int4(p, group_size)))
     return model
 
 

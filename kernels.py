@@ -1,0 +1,473 @@
+"""The kernels of a forward pass on CPU or CUDA, and the one place that chooses them for this CPU.
+
+Linear layers: `linear` (fp32 / bfloat16 / int8 weights) and `int4_linear` take, inside a compiled CPU step,
+per-row multiply-and-sum reductions, a blocked GEMM or F.linear; `linear_path` names the choice for a weight
+dtype and a number of rows. Attention: `attend`, the model's one attention call site, and the fused one-query
+kernels of a compiled CPU decode step.
+
+`cpu()` probes the CPU once; every CPU-dependent choice (the GEMM thresholds here, kv.quant's --kv-float auto)
+reads it. KVFAST_CPU=avx2 | avx512-bf16 | amx (or `force_cpu` in tests) makes those choices as on that kind of
+CPU, to run or measure another CPU's paths on this one; native (the default) follows this CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import reduce
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+
+class KVFastError(Exception):
+    """A user-facing error: bad checkpoint, bad flag, bad config. Printed as one line by the CLIs. Defined in
+    the lowest module that raises one (model imports this one), known to the rest as model.KVFastError."""
+
+
+# ---- the CPU --------------------------------------------------------------------------------------------------
+CPU_KINDS = ("native", "avx2", "avx512-bf16", "amx")
+FLAGS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True)
+class CPU:
+    """What the kernels may assume of the CPU: what it has, or under a forced kind what that kind has."""
+
+    model: str
+    aten: str  # the vector ISA of ATen's own kernels (fixed at startup; a forced kind leaves it)
+    onednn: bool
+    avx2: bool
+    avx512: bool
+    avx512_vnni: bool
+    avx512_bf16: bool
+    amx_bf16: bool
+    amx_int8: bool
+    forced: str | None = None
+
+    @property
+    def bf16_dot(self) -> bool:
+        """bfloat16 dot products in hardware (AVX512-BF16 or AMX tiles): bfloat16 products run ~2.5x fp32's
+        speed there (README); elsewhere they are emulated, slower than fp32."""
+        return self.avx512_bf16 or self.amx_bf16
+
+    def flags(self) -> list[str]:
+        return [f for f in FLAGS if getattr(self, f)]
+
+
+def probe() -> CPU:
+    """This CPU, from torch's cpuinfo queries."""
+    caps = torch.cpu.get_capabilities()
+    return CPU(model=caps.get("cpu_name") or caps.get("architecture", "unknown"),
+               aten=torch.backends.cpu.get_cpu_capability(), onednn=torch.backends.mkldnn.is_available(),
+               avx2=caps.get("avx2", False), avx512=caps.get("avx512_f", False),
+               avx512_vnni=caps.get("avx512_vnni", False), avx512_bf16=caps.get("avx512_bf16", False),
+               amx_bf16=caps.get("amx_bf16", False), amx_int8=caps.get("amx_int8", False))
+
+
+def as_kind(native: CPU, kind: str) -> CPU:
+    """`native` as the kernels see it under KVFAST_CPU=kind: native itself, or with kind's vector features in
+    place of its own (avx2: no bfloat16 dot products; avx512-bf16: AVX-512 with them, no AMX; amx: both)."""
+    if kind not in CPU_KINDS:
+        raise KVFastError(f"unknown CPU kind {kind!r} (KVFAST_CPU): choose one of {', '.join(CPU_KINDS)}")
+    if kind == "native":
+        return native
+    avx512, amx = kind != "avx2", kind == "amx"
+    return replace(native, avx2=True, avx512=avx512, avx512_vnni=avx512, avx512_bf16=avx512, amx_bf16=amx,
+                   amx_int8=amx, forced=kind)
+
+
+_native: CPU | None = None
+_cpu: CPU | None = None
+_forced: str | None = None  # force_cpu's kind; None: KVFAST_CPU's
+
+
+def native_cpu() -> CPU:
+    global _native
+    if _native is None:
+        _native = probe()
+    return _native
+
+
+def cpu() -> CPU:
+    """The CPU every kernel choice reads: this one, or the kind KVFAST_CPU / force_cpu names (KVFastError for an
+    unknown kind). Probed once; Transformer.from_checkpoint reads it first, so a bad KVFAST_CPU fails there in
+    one line and not inside a compile."""
+    global _cpu
+    if _cpu is None:
+        _cpu = as_kind(native_cpu(), _forced or os.environ.get("KVFAST_CPU") or "native")
+    return _cpu
+
+
+def native_runs(kind: str) -> bool:
+    """Does this CPU have every feature of `kind`, so that kind's fast paths run here natively?"""
+    native = native_cpu()
+    return all(getattr(native, f) for f in as_kind(native, kind).flags())
+
+
+class _Restore:
+    def __init__(self, previous: str | None):
+        self.previous = previous
+
+    def __enter__(self) -> CPU:
+        return cpu()
+
+    def __exit__(self, *exc: object) -> None:
+        _choose(self.previous)
+
+
+def force_cpu(kind: str | None) -> _Restore:
+    """Choose kernels as on a CPU of `kind` from now on (None: as KVFAST_CPU says); as a context manager, until
+    its end. What was chosen before is dropped: the GEMM table and dynamo's graphs, which hold it as a constant."""
+    if kind is not None:
+        as_kind(native_cpu(), kind)  # an unknown kind changes nothing
+    previous = _forced
+    _choose(kind)
+    return _Restore(previous)
+
+
+def _choose(kind: str | None) -> None:
+    global _cpu, _forced, GEMM_MIN_ROWS
+    _cpu, _forced, GEMM_MIN_ROWS = None, kind, None
+    torch._dynamo.reset()
+
+
+def cpu_report() -> str:
+    """One line for bench and log headers: the CPU, the features that choose kernels, the forced kind if any."""
+    native, chosen = native_cpu(), cpu()
+    line = (f"{native.model}: {' '.join(native.flags()) or 'no AVX2'}, ATen {native.aten}, "
+            f"{'oneDNN' if native.onednn else 'no oneDNN'}")
+    if chosen.forced:
+        line += f"; kernels chosen as for {chosen.forced} ({' '.join(chosen.flags())})"
+    return line
+
+
+# ---- linear layers --------------------------------------------------------------------------------------------
+# Rows up to which a compiled CPU matmul is written as multiply-and-sum reductions (a batch of one-token rows,
+# speculate.py's verification). Measured on an AVX-512 CPU (README, "Batched decode"): with int8 / bfloat16
+# weights the fused reductions beat F.linear (which converts the whole weight per call) 3-8x at 1-16 rows; with
+# fp32 weights they win up to ~8 rows and break even at 16. A batch of one-token rows takes batched_linear's
+# blocked GEMM before that where this CPU has one (gemm_min_rows).
+MAX_REDUCTION_ROWS = 16
+
+
+def gemm_min_rows(chip: CPU | None = None) -> dict[torch.dtype, int]:
+    """Per weight dtype, the sequences from which a compiled CPU decode step (one token per row) leaves the per-row
+    reductions for a blocked GEMM (batched_linear), where `chip` (default: cpu()) has a fast one: oneDNN's packed
+    fp32 GEMM wherever oneDNN is built in; the bfloat16 and int8 ones multiply bfloat16 activations, which only
+    CPUs with bfloat16 dot products run natively. The rows: crossovers measured on an AVX-512 CPU with
+    SmolLM2-135M (README, "Batched decode"): the reductions are bound by their fp32 multiply-adds from ~4 rows,
+    the GEMM costs about the same at 5 to 8 rows. A verification's tokens of one sequence keep the reductions:
+    each must equal its one-token step bit for bit."""
+    chip = chip or cpu()
+    if not chip.onednn:
+        return {}
+    if chip.bf16_dot:
+        return {torch.float32: 5, torch.bfloat16: 8, torch.int8: 8}
+    return {torch.float32: 5}
+
+
+GEMM_MIN_ROWS: dict[torch.dtype, int] | None = None  # gemm_min_rows(), filled at first use; {}: reductions only
+
+
+@torch._dynamo.assume_constant_result  # run, not traced, at compile time: a constant of the graph
+def gemm_rows(dtype: torch.dtype) -> int:
+    global GEMM_MIN_ROWS
+    if GEMM_MIN_ROWS is None:
+        GEMM_MIN_ROWS = gemm_min_rows()
+    return GEMM_MIN_ROWS.get(dtype, 1 << 30)
+
+
+def gemm_path(dtype: torch.dtype) -> str:
+    """The GEMM of `dtype` weights (fp32, bfloat16, int8), as linear_path names it. No table: a compiled graph
+    under block scope can't guard a read of a module's dict."""
+    if dtype == torch.int8:
+        return "int8pack-mm"
+    return "gemm-onednn-bf16" if dtype == torch.bfloat16 else "gemm-onednn-fp32"
+
+
+def linear_path(dtype: torch.dtype, rows: int, one_token: bool = True, compiled: bool = True) -> str:
+    """The kernel of a linear layer with `dtype` weights (uint8: int4) over `rows` rows on this CPU, one token
+    per row (a batched decode step) or not (a verification's tokens): "f-linear" (eager, CUDA, or a dynamic
+    row count: ATen's GEMM), "reductions" (per_row, up to MAX_REDUCTION_ROWS rows), or from gemm_rows(dtype)
+    one-token rows gemm_path(dtype). Reductions: torch's fp32 GEMV streams weights at a fraction of the memory
+    bandwidth, while Inductor turns a multiply-and-sum into one vectorized, parallel reduction that reads each
+    weight once (decode is bandwidth-bound) and fuses any dequantization of int8 / int4 weights into it."""
+    if not compiled or not isinstance(rows, int):  # a SymInt under a dynamic-shape compile (--compile-prefill)
+        return "f-linear"
+    if one_token and rows >= gemm_rows(dtype):
+        return gemm_path(dtype)
+    return "reductions" if rows <= MAX_REDUCTION_ROWS else "f-linear"
+
+
+def _path(x: Tensor, dtype: torch.dtype) -> str:
+    """linear_path for x [..., in] where it runs: compiled on CPU, one token per row if [B, 1, in]."""
+    compiled = torch.compiler.is_compiling() and x.device.type == "cpu"
+    return linear_path(dtype, x.shape[:-1].numel(), compiled and x.dim() == 3 and x.shape[1] == 1, compiled)
+
+
+def realized(x: Tensor) -> Tensor:
+    """x written to memory once in a compiled graph. Inductor otherwise inlines x's cheap producers (the
+    residual add and RMSNorm before a projection) into each reduction that reads it, recomputing them for every
+    output row: 8 % of an int8 decode step at one token, half of the step at eight."""
+    from torch._inductor import inductor_prims  # noqa: F401  (registers the op; imported when compiling only)
+
+    return torch.ops.prims.inductor_force_stride_order(x, x.stride())
+
+
+def per_row(x: Tensor, row_product: Callable[[Tensor], Tensor]) -> Tensor:
+    """row_product(one row [in]) -> [out], applied to each row of x [..., in]. The rows are unrolled into
+    separate reductions over the same weight: Inductor fuses them into one loop that loads (and dequantizes)
+    each weight once for all rows, where one broadcast [rows, out, in] reduction redoes that per row."""
+    rows = realized(x).reshape(-1, x.shape[-1]).unbind(0)
+    y = row_product(rows[0]).unsqueeze(0) if len(rows) == 1 else torch.stack([row_product(r) for r in rows])
+    return y.view(*x.shape[:-1], -1)
+
+
+_packed = WeakTensorKeyDictionary()  # weight -> (its version, its oneDNN-packed copy)
+
+
+def _batched_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., in] @ weight.T as one blocked GEMM (fp32 / bfloat16 weights): oneDNN on a copy of the weight packed
+    into its blocked layout at first use and kept while the weight lives (a second copy of the weights; packed
+    again after an in-place change, e.g. load_state_dict). With bfloat16 weights the activations and the output
+    are rounded to bfloat16, as in a bfloat16 model."""
+    version = None if weight.is_inference() else weight._version  # inference tensors keep no version counter
+    entry = _packed.get(weight)
+    if entry is None or entry[0] != version:
+        entry = _packed[weight] = (version, torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[:-1].numel()))
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).to(weight.dtype), entry[1], None, "none", [], "")
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+# A plain library registration: torch.library.custom_op's wrapper costs ~20 us more per call inside a compiled
+# graph, 2.5 ms of an 8-row step's 121 calls. Meta gives compiling its shapes.
+_ops = torch.library.Library("kvfast", "DEF")
+_ops.define("batched_linear(Tensor x, Tensor weight) -> Tensor")
+_ops.impl("batched_linear", _batched_linear, "CPU")
+_ops.impl("batched_linear", lambda x, weight: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
+
+
+def int8_gemm(x: Tensor, codes: Tensor) -> Tensor:
+    """x [..., in] @ codes.T for int8 codes in ATen's int8 x bfloat16 kernel inside a compiled graph (unit scales:
+    linear applies the per-row ones in fp32); activations and output rounded to bfloat16."""
+    rows = realized(x.reshape(-1, x.shape[-1]).bfloat16())  # its lowering wants stored inputs
+    y = torch._weight_int8pack_mm(rows, codes, realized(torch.ones(codes.shape[0], dtype=torch.bfloat16)))
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
+    """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`."""
+    path = _path(x, weight.dtype)
+    if path == "int8pack-mm":
+        y = int8_gemm(x, weight)
+    elif path.startswith("gemm-onednn"):
+        y = torch.ops.kvfast.batched_linear(x, weight)
+    else:
+        weight = weight.to(x.dtype)  # no-op for weights in the compute dtype
+        y = per_row(x, lambda row: (row * weight).sum(-1)) if path == "reductions" else F.linear(x, weight)
+    return y if scales is None else y * scales
+
+
+def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
+    """quantize.py's int4 weights -> [out, in]: codes uint8 [out, in / 2] (column j in the low nibble, j + in / 2
+    in the high one), scales and offsets [out, in / group_size]."""
+    out, n_groups = scales.shape
+    codes = torch.cat([packed & 15, packed >> 4], 1).view(out, n_groups, -1)
+    return (codes.to(scales.dtype) * scales[..., None] + offsets[..., None]).view(out, -1)
+
+
+def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
+    """x @ W.T for int4 weights (dequantize_int4's layout): reductions or F.linear on the dequantized weight."""
+    if _path(x, packed.dtype) != "reductions":
+        return F.linear(x, dequantize_int4(packed, scales, offsets).to(x.dtype))
+    # sum_j x_j (q_j s + o) = sum_j x_j q_j s + o * (x's group sum). The nibbles are split with float
+    # arithmetic and each half of the row meets a contiguous half of x: both keep Inductor's reduction
+    # vectorized (uint8 bit operations and interleaved columns did not: 3-20x slower here). It is fastest
+    # when a group never straddles the two halves (in / 2 a multiple of the group size).
+    out, n_groups = scales.shape
+    half = packed.shape[1]
+    codes = packed.to(x.dtype)
+    high = torch.floor(codes * (1 / 16))
+    low = codes - 16 * high
+    wide = scales.view(out, n_groups, 1).expand(out, n_groups, 2 * half // n_groups).reshape(out, -1)
+
+    def row_product(row: Tensor) -> Tensor:
+        y = (row[:half] * low * wide[:, :half] + row[half:] * high * wide[:, half:]).sum(-1)
+        return y + (offsets * row.view(n_groups, -1).sum(-1)).sum(-1)
+
+    return per_row(x, row_product)
+
+
+# ---- attention ------------------------------------------------------------------------------------------------
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: bool,
+           fuse_one_query: bool = True, channel_blocks: Callable | None = None) -> tuple[Tensor, Tensor | None]:
+    """The one attention call site. q: [B, H, S, D]; k, v: [B, H_kv, T, D] (never repeated to H heads).
+
+    mask None means causal attention of S queries over the same S keys (prefill on fresh K/V); otherwise
+    mask is [B, H_kv, S, T] bool (True = may attend). When want_probs, the probabilities are computed
+    explicitly and returned as [B, H_kv, g, S, T] so a cache policy can score its slots per KV head.
+
+    k, v of shape [B, P, D] are a layer's pool shared by its KV heads (kv.pool): see attend_pool. A compiled
+    CPU decode step (one query) takes attend_one_query (attend_pool_one_query) instead of SDPA or matmuls,
+    unless the cache says otherwise (4-bit K/V: KVCache.fuse_one_query); it then reads channel_blocks() instead
+    of k, v where given (KVCache.channel_blocks: 4-bit K/V as two halves of channels).
+    """
+    B, H, S, D = q.shape
+    if (fuse_one_query and mask is not None and S == 1 and q.device.type == "cpu"
+            and torch.compiler.is_compiling()):
+        if k.dim() == 3:
+            return attend_pool_one_query(q, k, v, mask, want_probs)
+        if channel_blocks is not None:
+            k, v = channel_blocks()
+        return attend_one_query(q, k, v, mask, want_probs)
+    if k.dim() == 3:
+        return attend_pool(q, k, v, mask, want_probs)
+    n_kv = k.shape[1]
+    if not want_probs and k.dtype == q.dtype:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), None
+        # one mask row per query head: the g heads of a group share their KV head's mask
+        mask = mask.repeat_interleave(H // n_kv, dim=1) if H != n_kv else mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), None
+    g = H // n_kv
+    # the g query heads of a KV head as g * S rows of one matmul: broadcasting k, v over g would copy them. K/V
+    # in bfloat16 under float queries (--kv-float bfloat16): both products in bfloat16, as a bfloat16 model's
+    # attention (fp32 accumulation, bfloat16 scores and output; softmax in fp32), 2.5x an fp32 matmul's speed
+    # over 4096 slots where the CPU has bfloat16 dot products (README); attend_one_query rounds alike
+    qg = q.to(k.dtype).reshape(B, n_kv, g * S, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().view(B, n_kv, g, S, -1) * (1.0 / math.sqrt(D))
+    if mask is None:
+        mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    else:
+        mask = mask.unsqueeze(2)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = torch.matmul(probs.to(v.dtype).view(B, n_kv, g * S, -1), v).to(q.dtype)
+    return out.view(B, H, S, D), probs
+
+
+class Codes(NamedTuple):
+    """Channels of quantized K or V that attend_one_query reads without dequantizing them first: the values are
+    codes * scale + zero, one scale and zero point per token ([B, H_kv, T, 1]) for these channels. packed: two
+    4-bit codes per byte, channel j in the low nibble and j + w in the high one (kv.quant.pack), read in one
+    pass over the bytes."""
+
+    codes: Tensor  # uint8 [B, H_kv, T, w]
+    scale: Tensor
+    zero: Tensor
+    packed: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.codes.shape[-1] * (2 if self.packed else 1)
+
+    def channels(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """The codes as numbers, [B, H_kv, 1, T, w] each: one tensor, or the low and the high nibbles."""
+        c = self.codes.unsqueeze(2)
+        return ((c & 15).to(dtype), (c >> 4).to(dtype)) if self.packed else (c.to(dtype),)
+
+
+def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tensor,
+                     want_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+    """A decode step's attention (one query per row) as multiply-and-sum reductions, inside a compiled CPU graph.
+    SDPA's CPU kernel (and a matmul's, when a policy wants the probabilities) has a fixed cost per call that
+    dwarfs one query's work (3 KV heads x 512 keys: ~90 us for ~1 MB of K/V) and splits the step's graph at
+    every layer; as reductions Inductor fuses the attention into the layer's kernels (int8 decode step at 512
+    tokens, whole-step graph: 11.4 -> 9.1 ms; README). probs as attend returns them.
+
+    k and v may come as tuples of channel blocks (concatenated along the last dim they are k and v: 4-bit K/V's
+    halves, KVCache.channel_blocks), each block reduced apart, so no reduction reads a concatenation. A block
+    given as Codes is read as its codes, its scale and zero point applied per token outside the reductions:
+    q . (c s + z) = s (q . c) + z sum(q), and sum_t p (c s + z) = sum_t (p s) c + sum_t p z, so each code is
+    converted and multiplied once per query head instead of dequantized once per query head."""
+    B, H, _, D = q.shape
+    k_blocks, v_blocks = (x if isinstance(x, tuple) and not isinstance(x, Codes) else (x,) for x in (k, v))
+    widths = [b.width if isinstance(b, Codes) else b.shape[-1] for b in k_blocks]
+    n_kv = mask.shape[1]
+    # bfloat16 K/V under float queries: round where attend's bfloat16 matmuls do (the query, the scores, the
+    # probabilities, the output), so a (K + 1)-query verification agrees with the one-query steps it replaces
+    low = k_blocks[0].dtype if not isinstance(k_blocks[0], Codes) and k_blocks[0].dtype != q.dtype else None
+    rounded = (lambda x: x.to(low).to(x.dtype)) if low else (lambda x: x)
+    q_blocks = rounded(q).view(B, n_kv, H // n_kv, 1, D).split(widths, dim=-1)
+    scores = reduce(torch.add, [block_scores(qb, kb) for qb, kb in zip(q_blocks, k_blocks)])
+    scores = rounded(scores).float() * (1.0 / math.sqrt(D))
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # [B, n_kv, g, T]
+    outs = [block_values(rounded(probs), vb, q.dtype) for vb in v_blocks]
+    out = rounded(outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(B, H, 1, D)
+    return out, probs.unsqueeze(3) if want_probs else None
+
+
+def block_scores(q: Tensor, k: Tensor | Codes) -> Tensor:
+    """q [B, n_kv, g, 1, w] . every key's channels [B, n_kv, T, w] -> [B, n_kv, g, T]."""
+    if not isinstance(k, Codes):
+        return (q * k.unsqueeze(2).to(q.dtype)).sum(-1)
+    # packed: one reduction over the bytes for both nibbles (as two reductions, 30 layers at 4096 tokens took
+    # 5.89 instead of 5.01 ms)
+    channels = k.channels(q.dtype)
+    dot = reduce(torch.add, [qc * c for qc, c in zip(q.chunk(len(channels), -1), channels)]).sum(-1)
+    return dot * k.scale.squeeze(-1).unsqueeze(2) + k.zero.squeeze(-1).unsqueeze(2) * q.sum(-1)
+
+
+def block_values(probs: Tensor, v: Tensor | Codes, dtype: torch.dtype) -> Tensor:
+    """probs [B, n_kv, g, T] times every value's channels [B, n_kv, T, w] -> [B, n_kv, g, w]."""
+    if not isinstance(v, Codes):
+        return (probs.to(dtype).unsqueeze(-1) * v.unsqueeze(2).to(dtype)).sum(-2)
+    scaled = (probs * v.scale.squeeze(-1).unsqueeze(2)).unsqueeze(-1)
+    out = torch.cat([(scaled * c).sum(-2) for c in v.channels(torch.float32)], dim=-1)
+    return (out + (probs * v.zero.squeeze(-1).unsqueeze(2)).sum(-1, keepdim=True)).to(dtype)
+
+
+def attend_pool_one_query(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                          want_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+    """attend_pool for one query per row inside a compiled CPU graph: each slot is scored only by the g query
+    heads of the KV head that owns it (their queries gathered by the slot's owner, a third of the products of
+    every query head scoring every slot with H_kv = 3), fused with the masked softmax, the scores laid out
+    [g, P] so the softmax vectorizes along the slots. The probabilities times V stay a matmul (halves_product):
+    as a reduction Inductor would stream the whole pool once per 8 output channels of every query head."""
+    B, H, _, D = q.shape
+    n_kv, P = mask.shape[1], k.shape[1]
+    g = H // n_kv
+    mine = mask[:, :, 0]  # [B, n_kv, P]
+    owner = realized((mine * torch.arange(n_kv, device=q.device).view(1, n_kv, 1)).sum(1))  # [B, P]; 0 if empty
+    rows = torch.arange(B, device=q.device).view(B, 1, 1)
+    heads = torch.arange(g, device=q.device).view(1, g, 1)
+    q_slot = q.view(B, n_kv, g, D).transpose(1, 2)[rows, heads, owner.unsqueeze(1)]  # [B, g, P, D]
+    scores = (q_slot * k.unsqueeze(1)).sum(-1) * (1.0 / math.sqrt(D))  # [B, g, P]
+    probs = torch.softmax(scores.float().unsqueeze(1).masked_fill(~mine.unsqueeze(2), float("-inf")), dim=-1)
+    out = halves_product(probs.type_as(v).view(B, H, P), v)
+    return out.view(B, H, 1, D), probs.unsqueeze(3) if want_probs else None
+
+
+def halves_product(probs: Tensor, v: Tensor) -> Tensor:
+    """probs [B, H, P] @ v [B, P, D]. One row as one bmm over the two halves of v's channels: torch runs a
+    single small matmul on one thread, a batch of two on two (30 layers' pool attention at 3267 slots: 59 -> 44 us
+    per layer); several rows are already a batch."""
+    B, P, D = v.shape
+    if B > 1:
+        return torch.bmm(probs, v)
+    halves = v.view(P, 2, D // 2).transpose(0, 1)  # [2, P, D/2], no copy
+    return torch.bmm(probs.expand(2, *probs.shape[1:]), halves).transpose(0, 1).reshape(1, -1, D)
+
+
+def attend_pool(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                want_probs: bool) -> tuple[Tensor, Tensor | None]:
+    """Attention over a per-layer pool (DESIGN.md, "Per-head budgets"): k, v [B, P, D] hold the slots of
+    every KV head; mask [B, H_kv, S, P] says which slots KV head h owns (and holds a token), for each of its g
+    query heads.
+
+    All H query heads score every slot in one product, so the pool is read once whatever the split between
+    heads (the extra H_kv-fold flops are cheap next to the bytes on a bandwidth-bound step); the mask keeps
+    each query head to its own KV head's slots. probs [B, H_kv, g, S, P] are exactly 0 outside them."""
+    B, H, S, D = q.shape
+    n_kv, P = mask.shape[1], k.shape[1]
+    g = H // n_kv
+    scores = torch.matmul(q.reshape(B, H * S, D), k.transpose(1, 2)).view(B, n_kv, g, S, P)
+    scores = scores * (1.0 / math.sqrt(D))
+    probs = torch.softmax(scores.float().masked_fill(~mask.unsqueeze(2), float("-inf")), dim=-1)
+    out = torch.matmul(probs.type_as(v).view(B, H * S, P), v)
+    return out.view(B, H, S, D), probs if want_probs else None
