@@ -3,7 +3,7 @@
     python eval.py --tasks passkey niah ppl fidelity --policies full window h2o scissorhands snapkv \\
         --budgets 0.5 0.25 0.125 --lengths 1024 2048 4096 --samples 20
 
-Tasks (evaltasks.py builds them, seeded, at exact token lengths):
+Tasks (evals/tasks.py builds them, seeded, at exact token lengths):
   passkey            a 5-digit key in filler text at a grid of depths; exact match
   niah               RULER-style needles in real prose: niah_single, niah_multikey, niah_multivalue (each can
                      also be named alone); string match as RULER scores it
@@ -38,13 +38,11 @@ held).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 # OpenMP threads that spin while waiting lose their core to any other busy process on a small shared machine and
 # then stall every parallel region (decode steps measured 5-30x slower here); passive waiting avoids that.
@@ -53,30 +51,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # after OMP_WAIT_POLICY, which is read when torch loads OpenMP
 
 import cache as kvcache
-import evaltasks as tasks
-from evalcaches import (
+import evals.ray
+from cli import DEFAULT_CHECKPOINT, ArgumentParser, load, resolve_checkpoint, run_cli
+from decode import configure_torch
+from evals import report, tasks
+from evals.caches import (
     SHIFT,
-    Combo,
     Evaluator,
-    MultiCache,
     add_tier_flags,
     given_tier_flags,
     policy_params,
     split_combo_policy,
-    tier_fields,
     tier_settings,
 )
-from evalstore import NO_MODE, Store, add_record, head_fields, record_key
-from evaltext import run_windows
-from generate import (
-    DEFAULT_CHECKPOINT,
-    ArgumentParser,
-    load,
-    resolve_checkpoint,
-    run_cli,
-    truncate_at_stop,
-)
-from model import KVFastError, Transformer
+from evals.evaluator import combos_of, evaluate
+from evals.store import Store
+from model import KVFastError
 
 ROOT = Path(__file__).resolve().parent
 TASK_NAMES = ("passkey", "niah", *tasks.NIAH_NEEDLES, "fidelity", "ppl", "attention-loss")
@@ -142,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compute dtype (default float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                   help="run the cells as Ray tasks (evalray.py): alone, on a local cluster started here; with an "
+                   help="run the cells as Ray tasks (evals/ray.py): alone, on a local cluster started here; with an "
                         "ADDRESS (or auto), on that cluster. Needs `pip install ray`")
     p.add_argument("--ray-workers", type=int, default=None,
                    help="--ray without an ADDRESS: the local cluster's workers (default: one per core)")
@@ -206,7 +196,7 @@ def check_args(args: argparse.Namespace) -> None:
     args.fidelity_lengths = args.fidelity_lengths or args.lengths
     if min(args.fidelity_lengths) < 128:
         raise KVFastError(f"--fidelity-lengths must be at least 128 tokens, got {min(args.fidelity_lengths)}")
-    args.params = {k: kvcache.PARAMS[k][0](k, getattr(args, k)) for k in kvcache.PARAMS if getattr(args, k) is not None}
+    args.params = {k: kvcache.PARAMS[k].validate(getattr(args, k)) for k in kvcache.PARAMS if getattr(args, k) is not None}
     for key in args.params:
         if not any(key in policy_params(split_combo_policy(p)[0]) for p in args.policies):
             raise KVFastError(f"--{key.replace('_', '-')} is used by none of the policies {args.policies}")
@@ -216,241 +206,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise KVFastError("--ppl-every exceeds --ppl-length")
 
 
-# ---- combos and records ----------------------------------------------------------------------------------
-def combos_of(args: argparse.Namespace) -> list[Combo]:
-    combos = [Combo("full", None)]
-    for name in args.policies:
-        policy, warm, shift = split_combo_policy(name)
-        tiers = tuple(args.tiers.items()) if warm else None
-        combos += [Combo(policy, b, tiers, shift) for b in args.budgets if policy != "full"]
-    return combos
-
-
-# ---- retrieval and fidelity -------------------------------------------------------------------------------
-def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], combos: list[Combo], store: Store,
-                bar: Any) -> None:
-    """One batch of prompts of the same (task, length): one prefill, then every group of combos, mode and task."""
-    args = ev.args
-    L, B = prompts[0].length, len(prompts)
-    src = prompts[0].task
-    todo: dict[tuple[Combo, str], set[str]] = {}
-    for mode in args.mode:
-        for combo in combos:
-            need = {t for t in wanted if any(not store.done(record_key(t, L, p.index, combo, mode)) for p in prompts)}
-            if need:
-                todo[(combo, mode)] = need
-    if not todo:
-        return
-    ctx = torch.tensor([p.context for p in prompts], device=ev.device)
-    qst = torch.tensor([p.question for p in prompts], device=ev.device)
-    S, Q = ctx.shape[1], qst.shape[1]
-    total = L + args.answer_room
-    bar.set_postfix_str(f"{src}@{L}: prefill {B} x {S + Q}")
-    t0 = time.perf_counter()
-    prompt_ids = torch.cat([ctx, qst], 1)
-    kv, hidden = ev.record(prompt_ids)
-    last = ev.model.logits(hidden[:, -1:])
-    del hidden
-    prefill_s = (time.perf_counter() - t0) / B
-    answer_n = tasks.ANSWER_TOKENS.get(src, 16)
-    N = args.fidelity_tokens
-    for mode in args.mode:
-        n = S if mode == "agnostic" else S + Q
-        memos = [{} for _ in range(ev.n_layers)]
-        ref, kvzip_s = None, 0.0
-        need_ref = any("fidelity" in todo.get((c, mode), ()) for c in combos if not c.is_full)
-        active = [c for c in combos if (c, mode) in todo or (c.is_full and need_ref)]
-        for group in ev.groups(active, B, n, total - n):
-            G = len(group)
-            need = set().union(*(todo.get((c, mode), set()) for c in group))
-            bar.set_postfix_str(f"{src}@{L} {mode}: {', '.join(c.label() for c in group)}")
-            t0 = time.perf_counter()
-            caches = ev.group_caches(group, B, n, total - n)
-            ev.install(caches)
-            ev.fill(caches, kv, n, memos, prompt_ids)
-            kvzip_s = kvzip_s or ev.kvzip_s / B  # reconstruction scoring: once per batch and mode, memoized
-            first = ev.feed(qst.repeat(G, 1), S) if mode == "agnostic" else last.repeat(G, 1, 1)
-            pos = S + Q
-            retrieval = src in need
-            tiers_answer: dict = {}
-            tiers_fid: dict = {}
-            if group[0].is_full:
-                keep = need_ref or "fidelity" in need
-                steps = max(answer_n if retrieval else 1, N if keep else 1)
-                tokens, lp = ev.greedy(first, pos, steps, stop=False, keep=keep)
-                if lp is not None:
-                    ref = (tokens[:, :N], lp[:, :N])
-                answer = tokens[:, :answer_n]
-                fid = {"kl": torch.zeros(B), "top1": torch.ones(B), "prefix": torch.full((B,), float(N))}
-            else:
-                state = ev.snapshot(caches) if retrieval and "fidelity" in need else None
-                if retrieval:
-                    answer, _ = ev.greedy(first, pos, answer_n, stop=True, keep=False)
-                    tiers_answer = tier_fields(caches, B)  # a tiered combo is alone in its group: G = 1
-                if "fidelity" in need:
-                    if state is not None:
-                        ev.restore(caches, state)
-                    fid = ev.follow(first, pos, *ref)
-                    tiers_fid = tier_fields(caches, B)
-            elapsed = (time.perf_counter() - t0) / (B * G)
-            classes = kvcache.head_class_report(caches)
-            for j, combo in enumerate(group):
-                cap = sorted({c.members[j].capacity if isinstance(c, MultiCache) else c.capacity for c in caches})
-                base = {"length": L, "policy": combo.name, "budget": combo.budget, "mode": mode,
-                        "prompt_tokens": S + Q, "context_tokens": S, "capacity": cap[0] if len(cap) == 1 else cap,
-                        "time_s": round(elapsed, 4), "prefill_s": round(prefill_s, 4)}
-                if kvzip_s and combo.policy == "kvzip":
-                    base["kvzip_s"] = round(kvzip_s, 4)
-                if combo.tiers:
-                    base["tiers"] = dict(combo.tiers)
-                for row, p in enumerate(prompts):
-                    r = j * B + row
-                    if retrieval and src in todo.get((combo, mode), ()):
-                        ids = answer[r].tolist()
-                        pred = ev.tok.decode(truncate_at_stop(ids, ev.stop_ids) if ev.stop_ids else ids)
-                        add_record(store, bar, {**base, "task": src, "index": p.index, "prediction": pred,
-                                                "answers": p.answers, "score": tasks.score(src, pred, p.answers),
-                                                "meta": p.meta, **head_fields(classes, r), **tiers_answer}, combo)
-                    if "fidelity" in todo.get((combo, mode), ()):
-                        m = {k: float(v[r]) for k, v in fid.items()}
-                        add_record(store, bar, {**base, "task": "fidelity", "index": p.index, "score": m["top1"],
-                                                "metrics": m, "meta": p.meta, **head_fields(classes, r), **tiers_fid},
-                                   combo)
-            store.save()
-
-
-# ---- batching -------------------------------------------------------------------------------------------------
-def batches(n: int, max_batch: int, tokens: int, per_token_bytes: int, limit_gb: float) -> list[range]:
-    """Split n samples into near-equal batches that fit the recording memory."""
-    fit = max(1, int(limit_gb * 1e9 // max(1, tokens * per_token_bytes)))
-    size = max(1, min(max_batch, fit, n))
-    k = math.ceil(n / size)
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    return [range(bounds[i], bounds[i + 1]) for i in range(k)]
-
-
-def recorded_bytes_per_token(model: Transformer) -> int:
-    a = model.args
-    return a.n_layers * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim * next(model.parameters()).element_size()
-
-
-TEXT = "text"  # a Cell of ppl / attention-loss windows
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One unit of work: a batch of samples of one source at one length, prefilled once, every combo run on it.
-    source: a retrieval task's prompts (fidelity rides on niah_single's) or TEXT (the ppl text's windows)."""
-
-    source: str
-    length: int
-    wanted: tuple[str, ...]
-    indices: tuple[int, ...]
-
-
-class Inputs:
-    """The run's prompts and text windows, built on first use and kept (a Ray worker builds only its cells')."""
-
-    def __init__(self, ev: Evaluator):
-        self.ev, self.memo = ev, {}
-        self.framing = tasks.Framing.make(ev.tok, ev.args.chat)
-
-    def prompts(self, source: str, length: int) -> list[tasks.Prompt]:
-        a = self.ev.args
-        if "sentences" not in self.memo and source != "passkey":
-            self.memo["sentences"] = tasks.haystack_units(self.ev.tok, a.haystack)
-        if (source, length) not in self.memo:
-            n = min(a.samples, a.limit or a.samples)
-            self.memo[(source, length)] = tasks.make_prompts(source, self.ev.tok, self.framing, length, n, a.seed,
-                                                             a.depths, self.memo.get("sentences"))
-        return self.memo[(source, length)]
-
-    def windows(self) -> list[list[int]]:
-        if TEXT not in self.memo:
-            a, tok = self.ev.args, self.ev.tok
-            w = min(a.ppl_samples, a.limit or a.ppl_samples)
-            bos = tok.bos_id if getattr(tok, "add_bos", False) else None
-            self.memo[TEXT] = tasks.text_windows(tok.encode(tasks.load_text(a.ppl_text)), a.ppl_length, w, a.seed, bos)
-        return self.memo[TEXT]
-
-
-def plan_cells(args: argparse.Namespace, model: Transformer) -> list[Cell]:
-    """Every cell of the grid, in the order a single process runs them."""
-    per_token = recorded_bytes_per_token(model)
-    n = min(args.samples, args.limit or args.samples)
-    sources = [t for t in tasks.RETRIEVAL_TASKS if t in args.tasks]
-    if "fidelity" in args.tasks and "niah_single" not in sources:  # one prefill serves both
-        sources.append("niah_single")
-    cells = []
-    for src in sources:
-        for L in sorted(set(args.lengths) | (set(args.fidelity_lengths) if src == "niah_single" else set())):
-            wanted = [t for t in (src,) if t in args.tasks and L in args.lengths]
-            if src == "niah_single" and "fidelity" in args.tasks and L in args.fidelity_lengths:
-                wanted.append("fidelity")
-            if wanted:
-                cells += [Cell(src, L, tuple(wanted), tuple(part))
-                          for part in batches(n, args.batch_size, L, per_token, args.record_gb)]
-    text_tasks = tuple(t for t in ("ppl", "attention-loss") if t in args.tasks)
-    if text_tasks:
-        w = min(args.ppl_samples, args.limit or args.ppl_samples)
-        recorded = min(args.ppl_length, model.args.max_seq_len)  # past it, only a prefix is recorded
-        cells += [Cell(TEXT, args.ppl_length, text_tasks, tuple(part))
-                  for part in batches(w, args.batch_size, recorded, per_token, args.record_gb)]
-    return cells
-
-
-def cell_keys(cell: Cell, combos: list[Combo], args: argparse.Namespace, max_seq_len: int) -> list[str]:
-    """The records a cell produces (when none is done yet)."""
-    if cell.source == TEXT:  # attention loss follows full; full cannot read a window past the model's length
-        return [record_key(t, cell.length, i, c, NO_MODE) for t in cell.wanted for c in combos for i in cell.indices
-                if not (c.is_full and (t == "attention-loss" or cell.length > max_seq_len))]
-    return [record_key(t, cell.length, i, c, mode) for mode in args.mode for c in combos for t in cell.wanted
-            for i in cell.indices]
-
-
-def run_cell(ev: Evaluator, inputs: Inputs, cell: Cell, combos: list[Combo], store: Store, bar: Any) -> None:
-    if cell.source == TEXT:
-        windows = inputs.windows()
-        run_windows(ev, [windows[i] for i in cell.indices], list(cell.indices), list(cell.wanted), combos, store, bar)
-    else:
-        prompts = inputs.prompts(cell.source, cell.length)
-        run_prompts(ev, [prompts[i] for i in cell.indices], list(cell.wanted), combos, store, bar)
-
-
-def evaluate(ev: Evaluator, store: Store, ray_address: str | None = None, worker_args: tuple = ()) -> None:
-    """Run every cell not done yet: here, one after another, or as Ray tasks (evalray.py) when ray_address is
-    given (worker_args: how a worker loads the model, evalray.run_cells)."""
-    from tqdm import tqdm
-
-    args = ev.args
-    combos = combos_of(args)
-    sizes = {(L, args.answer_room) for L in args.lengths} if set(args.tasks) & set(tasks.RETRIEVAL_TASKS) else set()
-    if "fidelity" in args.tasks:
-        sizes |= {(L, args.answer_room) for L in args.fidelity_lengths}
-    if {"ppl", "attention-loss"} & set(args.tasks):
-        sizes.add((args.ppl_length, 0))
-    ev.check_tiered(combos, sizes)
-    cells = plan_cells(args, ev.model)
-    inputs = Inputs(ev)
-    for cell in cells:  # every prompt is built first (cheap), so a length that cannot hold a task fails before any work
-        inputs.windows() if cell.source == TEXT else inputs.prompts(cell.source, cell.length)
-    keys = {cell: cell_keys(cell, combos, args, ev.model.args.max_seq_len) for cell in cells}
-    with torch.inference_mode(), tqdm(total=sum(map(len, keys.values())), unit="rec", dynamic_ncols=True) as bar:
-        bar.update(sum(store.done(k) for ks in keys.values() for k in ks))
-        if ray_address is not None:
-            import evalray
-
-            todo = [c for c in cells if not all(map(store.done, keys[c]))]
-            if todo:
-                evalray.run_cells(ray_address, todo, keys, store, bar, args, *worker_args)
-            return
-        for cell in cells:
-            run_cell(ev, inputs, cell, combos, store, bar)
-
-
 # ---- main -------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
+    configure_torch(args.compile)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load(checkpoint, args.device, dtype)
@@ -472,15 +231,16 @@ def main(argv: list[str] | None = None) -> Path:
               "ppl_every": args.ppl_every, "ppl_decode_all": args.ppl_decode_all, "params": args.params}
     store = Store(out, config, args.overwrite)
     t0 = time.perf_counter()
-    worker = (checkpoint, str(dtype).replace("torch.", ""), args.ray_workers)  # how a Ray worker loads the model
-    evaluate(Evaluator(model, tokenizer, args), store, args.ray, worker)
+    # the cells as Ray tasks; the checkpoint and dtype say how a worker loads the model
+    remote = None if args.ray is None else partial(
+        evals.ray.run_cells, address=args.ray, args=args, checkpoint=checkpoint, dtype=config["dtype"],
+        workers=args.ray_workers)
+    evaluate(Evaluator(model, tokenizer, args), store, remote)
     wall = time.perf_counter() - t0
     store.save()
-    import evalreport
-
-    (out / "summary.md").write_text(evalreport.summary(list(store.records.values()), config, wall))
+    (out / "summary.md").write_text(report.summary(list(store.records.values()), config, wall))
     if not args.no_plots:
-        evalreport.plots(list(store.records.values()), out)
+        report.plots(list(store.records.values()), out)
     print(f"wrote {out / 'results.json'}, {out / 'summary.md'} ({wall:.0f} s)")
     return out
 

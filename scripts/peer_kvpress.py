@@ -10,7 +10,7 @@ on first use; the project's .venv is never touched. The model is the default che
 transformers (gguf_file=) and saved as an fp32 HF folder (checkpoints/<name>-hf/) that later runs reuse; its
 weights are those of our converted checkpoint.
 
-Samples are eval.py's (evaltasks.make_prompts with our tokenizer, eval.py's default seed, depths, haystack and
+Samples are eval.py's (evals.tasks.make_prompts with our tokenizer, eval.py's default seed, depths, haystack and
 raw framing), so both sides get identical token ids; the kvpress side receives the ids as JSON
 (scripts/peer_kvpress_worker.py) and returns token ids, which are decoded and scored here like eval.py does.
 Query-agnostic on both sides: the context is compressed without the question, then the question is read at
@@ -22,7 +22,7 @@ positions S..S+Q-1 and the answer decoded greedily (ANSWER_TOKENS[task] tokens, 
 - kvfast: the append-only `snapkv` policy with `prompt_compression=<method>` and a budget of
   int(S (1 - r)) + Q + --answer-room slots for max_new = Q + --answer-room, so exactly int(S (1 - r)) context
   tokens stay per KV head and the question and answer are appended without eviction. One recorded prefill per
-  batch (evalcaches.Evaluator), then per method: fill, feed the question, greedy decode.
+  batch (evals.caches.Evaluator), then per method: fill, feed the question, greedy decode.
 - `full` (no compression) runs on both sides first: it checks that the two implementations of the model agree.
 
 Each press's parameters are set to kvpress's defaults and kvfast's compressor is set to match them (SnapKV:
@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see eval.py: spinning OpenMP threads stall on 2 cores
 
-import evaltasks as tasks
+from evals import tasks
 from model import KVFastError
 from scripts.peer_env import ensure_peer_env as ensure_peer_env_with
 from scripts.peer_env import one_line, worker_env
@@ -335,8 +335,8 @@ def run_kvfast(ev: Any, args: argparse.Namespace, prompts: list[tasks.Prompt], c
                store: Store) -> None:
     import torch
 
-    from evalcaches import MultiCache
-    from generate import truncate_at_stop
+    from decode import truncate_at_stop
+    from evals.caches import MultiCache
 
     L = prompts[0].length
     answer_n = tasks.ANSWER_TOKENS.get(args.task, 16)
@@ -404,7 +404,7 @@ def press_methods(args: argparse.Namespace) -> list[dict[str, Any]]:
 def merge_kvpress(path: Path, args: argparse.Namespace, prompts: list[tasks.Prompt], tok: Any,
                   store: Store) -> int:
     """Turn the worker's JSON lines into records (decoded and scored here); returns how many were added."""
-    from generate import truncate_at_stop
+    from decode import truncate_at_stop
 
     if not path.exists():
         return 0
@@ -528,8 +528,8 @@ def main(argv: list[str] | None = None) -> Path:
 
     import torch
 
-    from evalcaches import Evaluator
-    from generate import load, resolve_checkpoint
+    from cli import load, resolve_checkpoint
+    from evals.caches import Evaluator
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    from generate import run_cli
+    from cli import run_cli
 
     return run_cli(main, argv)
 

@@ -13,8 +13,10 @@ import torch
 from cache_testing import single_thread_fixture
 
 import eval as ev_mod
-import evalreport
-import evaltasks as tasks
+from evals import report, tasks
+from evals.caches import Combo, Evaluator
+from evals.evaluator import batches, evaluate
+from evals.store import Store
 from model import KVFastError, ModelArgs, Transformer
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
@@ -73,9 +75,9 @@ def run_eval(text_file: Path, out: Path, *flags: str, model: Transformer | None 
     """eval.evaluate on the tiny model (main() would load a checkpoint); returns the records."""
     args = ev_mod.parse_args(["--haystack", str(text_file), "--ppl-text", str(text_file), "--out", str(out),
                               "--device", "cpu", *flags])
-    evaluator = ev_mod.Evaluator(model or tiny_model(), ByteTokenizer(), args)
-    store = ev_mod.Store(out, {"run": "test"}, args.overwrite)
-    ev_mod.evaluate(evaluator, store)
+    evaluator = Evaluator(model or tiny_model(), ByteTokenizer(), args)
+    store = Store(out, {"run": "test"}, args.overwrite)
+    evaluate(evaluator, store)
     return list(store.records.values())
 
 
@@ -237,9 +239,9 @@ def test_ppl_decode_path_equals_one_batched_forward_pass():
     model = tiny_model(1)
     ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0))
     args = ev_mod.parse_args(["--device", "cpu"])
-    ev = ev_mod.Evaluator(model, ByteTokenizer(), args)
+    ev = Evaluator(model, ByteTokenizer(), args)
     with torch.inference_mode():
-        caches = ev.caches(ev_mod.Combo("full", None), 2, 300, 0)
+        caches = ev.caches(Combo("full", None), 2, 300, 0)
         ev.install(caches)
         model(ids[:, :1])  # prefill of the first token; every other token goes through the decode step
         first = model.logits(model.hidden(ids[:, :1]))  # (the same logits, for the first prediction)
@@ -281,22 +283,22 @@ def test_modes_rerun_and_reports(text_file, tmp_path):
     assert len(first) == 2 * 2 * 2 * 2 + 2  # (passkey, fidelity) x 2 samples x 2 combos x 2 modes + ppl
     # a rerun finds every cell finished and computes nothing
     args = ev_mod.parse_args(["--haystack", str(text_file), "--ppl-text", str(text_file), "--out", str(out), *flags])
-    store = ev_mod.Store(out, {"run": "test"}, False)
-    ev_mod.evaluate(ev_mod.Evaluator(model, ByteTokenizer(), args), store)
+    store = Store(out, {"run": "test"}, False)
+    evaluate(Evaluator(model, ByteTokenizer(), args), store)
     assert not store.fresh and len(store.records) == len(first)
     # another configuration in the same folder is refused, --overwrite recomputes
     with pytest.raises(KVFastError, match="another configuration"):
-        ev_mod.Store(out, {"run": "other"}, False)
+        Store(out, {"run": "other"}, False)
     again = run_eval(text_file, out, *flags, "--overwrite", "--samples", "1", model=model)
     assert {r["key"] for r in again} == {r["key"] for r in first}
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["records"]) == len(first)
 
-    text = evalreport.summary(first, {"checkpoint": "tiny", "answer_room": 64, "fidelity_tokens": 6}, 12.0)
+    text = report.summary(first, {"checkpoint": "tiny", "answer_room": 64, "fidelity_tokens": 6}, 12.0)
     assert "| full | 100% | agnostic |" in text and "| h2o | 50% | aware |" in text
     for header in ("passkey@500", "KL@500", "top-1@500", "prefix@500", "ppl@256"):
         assert header in text
-    files = evalreport.plots(first, out)
+    files = report.plots(first, out)
     assert {f.name for f in files} >= {"overview.png", "passkey.png", "fidelity.png", "ppl.png"}
     assert all(f.stat().st_size > 5000 for f in files)
 
@@ -328,10 +330,10 @@ def test_too_short_prompts_fail_before_any_work(text_file, tmp_path):
 
 
 def test_batches_fit_memory_and_are_even():
-    assert sorted(len(b) for b in ev_mod.batches(20, 8, 1000, 100, 3.0)) == [6, 7, 7]
-    assert [i for b in ev_mod.batches(20, 8, 1000, 100, 3.0) for i in b] == list(range(20))
-    assert [len(b) for b in ev_mod.batches(20, 8, 4096, 115_200, 1.0)] == [2] * 10
-    assert [list(b) for b in ev_mod.batches(3, 8, 10, 1, 1.0)] == [[0, 1, 2]]
+    assert sorted(len(b) for b in batches(20, 8, 1000, 100, 3.0)) == [6, 7, 7]
+    assert [i for b in batches(20, 8, 1000, 100, 3.0) for i in b] == list(range(20))
+    assert [len(b) for b in batches(20, 8, 4096, 115_200, 1.0)] == [2] * 10
+    assert [list(b) for b in batches(3, 8, 10, 1, 1.0)] == [[0, 1, 2]]
 
 
 # ---- the real model -------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""eval.py --ray (evalray.py): a local 2-worker Ray cluster runs a tiny grid, one worker is killed mid-run, and
+"""eval.py --ray (evals/ray.py): a local 2-worker Ray cluster runs a tiny grid, one worker is killed mid-run, and
 the merged results equal a single-process run's; reruns skip finished cells; Ray missing is one line."""
 
 import json
@@ -13,7 +13,7 @@ import pytest
 from cache_testing import single_thread_fixture
 
 import eval as ev_mod
-import evalray
+from evals import ray as eval_ray
 from model import KVFastError
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
@@ -90,4 +90,4 @@ def test_ray_flags_and_missing_ray_are_one_line_errors(monkeypatch, tmp_path):
         ev_mod.parse_args(["--ray-workers", "2"])
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails as if not installed
     with pytest.raises(KVFastError, match="--ray needs Ray, which is not installed: pip install 'ray==2.60.0'"):
-        evalray.connect("local", 2)
+        eval_ray.connect("local", 2)

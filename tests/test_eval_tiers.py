@@ -14,9 +14,11 @@ from test_eval import PROSE, ByteTokenizer, run_eval, tiny_model
 
 import cache as kvcache
 import eval as ev_mod
-import evalreport
-from evalcaches import TIER_DEFAULTS, Combo, ShadowCaches, split_combo_policy
-from generate import Decoder
+from decode import Decoder
+from evals import report
+from evals.caches import TIER_DEFAULTS, Combo, Evaluator, ShadowCaches, split_combo_policy
+from evals.evaluator import combos_of, evaluate
+from evals.store import Store, record_key
 from model import KVFastError
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
@@ -61,15 +63,15 @@ def test_warm_combo_runs_every_task_and_records_its_counters(text_file, tmp_path
         if r["task"] == "passkey":  # the 562-token context is compressed to 266 - 16 slots: its rest is demoted
             assert c["prompt_pages"] > 0
     # plain and tiered sit side by side in the summary, the tiered row right below its policy's
-    text = evalreport.summary(records, {"checkpoint": "tiny", "answer_room": 64, "fidelity_tokens": 8}, 1.0)
+    text = report.summary(records, {"checkpoint": "tiny", "answer_room": 64, "fidelity_tokens": 8}, 1.0)
     rows = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ")]
     assert rows[:4] == ["| policy", "| full", "| h2o", f"| {WARM}"]
 
     # a rerun computes nothing; other tier settings are other cells (the plain ones stay cached)
     args = ev_mod.parse_args(["--haystack", str(text_file), "--ppl-text", str(text_file), "--out", str(out),
                               "--device", "cpu", *FLAGS, "--policies", "h2o", "h2o+warm"])
-    store = ev_mod.Store(out, {"run": "test"}, False)
-    ev_mod.evaluate(ev_mod.Evaluator(model, ByteTokenizer(), args), store)
+    store = Store(out, {"run": "test"}, False)
+    evaluate(Evaluator(model, ByteTokenizer(), args), store)
     assert not store.fresh
     more = run_eval(text_file, out, *FLAGS, "--policies", "h2o", "h2o+warm", "--warm-bits", "8", model=model)
     assert len(more) == len(records) + 8
@@ -95,20 +97,20 @@ def test_warm_combo_without_recall_slots_equals_its_policy(text_file, tmp_path):
 
 def test_combo_labels_round_trip():
     args = ev_mod.parse_args(["--policies", "h2o", "h2o+warm", "snapkv+warm", "--budgets", "0.25", "0.5"])
-    combos = ev_mod.combos_of(args)
+    combos = combos_of(args)
     assert [c.label() for c in combos] == ["full", "h2o@0.25", "h2o@0.5", "h2o@0.25+warm", "h2o@0.5+warm",
                                            "snapkv@0.25+warm", "snapkv@0.5+warm"]
     for c in combos[1:]:
         policy, warm, shift = split_combo_policy(c.name)  # the recorded name gives the combo back
         assert Combo(policy, c.budget, tuple(TIER_DEFAULTS.items()) if warm else None, shift) == c
-        assert ev_mod.record_key("passkey", 600, 0, c, "agnostic") == f"passkey|600|0|{c.name}|{c.budget}|agnostic"
-    shifted = ev_mod.combos_of(ev_mod.parse_args(["--policies", "window", "--pos-shift", "--budgets", "0.25"]))[1]
+        assert record_key("passkey", 600, 0, c, "agnostic") == f"passkey|600|0|{c.name}|{c.budget}|agnostic"
+    shifted = combos_of(ev_mod.parse_args(["--policies", "window", "--pos-shift", "--budgets", "0.25"]))[1]
     assert shifted.label() == "window@0.25+shift" and split_combo_policy(shifted.name) == ("window", False, True)
-    plain = ev_mod.record_key("passkey", 600, 0, combos[1], "agnostic")
+    plain = record_key("passkey", 600, 0, combos[1], "agnostic")
     assert plain == "passkey|600|0|h2o|0.25|agnostic"  # plain keys as before tiers: old results stay cached
     args = ev_mod.parse_args(["--policies", "h2o+warm", "--budgets", "0.25", "--warm-bits", "8", "--recall-slots",
                               "32", "--warm-tokens", "1"])
-    c = ev_mod.combos_of(args)[1]
+    c = combos_of(args)[1]
     assert c.label() == "h2o@0.25+warm[warm-bits=8,recall-slots=32]" and c.name.startswith("h2o+warm[")
     assert dict(c.tiers) == {**TIER_DEFAULTS, "warm_bits": 8, "recall_slots": 32}
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 import cache as kvcache
-import evaltasks as tasks
+from evals import tasks
 from model import KVFastError, ModelArgs
 from scripts import peer_kvpress as peer
 from scripts import peer_kvpress_tables as tables

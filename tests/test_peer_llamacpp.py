@@ -1,4 +1,4 @@
-"""bench.py --peers llama.cpp: the peer runs in its own environment, fails in one line, and (where its
+"""bench.py engine --peers llama.cpp: the peer runs in its own environment, fails in one line, and (where its
 environment exists) decodes the default model's GGUF greedily into the tokens our model produces."""
 
 import subprocess
@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import bench
+from benchmarks.common import interleaved, time_ours
+from benchmarks.engine import agreement
 from model import KVFastError, Transformer
 from scripts import peer_llamacpp
 from scripts.prepare import default_gguf
@@ -64,29 +66,29 @@ def test_engine_runs_alternate_after_one_untimed_round() -> None:
             return {"prefill_s": t, "tok_s": 1 / t, "tokens": [len(calls)]}
         return run
 
-    rows = bench.interleaved({"a": engine("a", [9, 1, 3, 2]), "b": engine("b", [9, 4, 6, 5])}, repeats=3)
+    rows = interleaved({"a": engine("a", [9, 1, 3, 2]), "b": engine("b", [9, 4, 6, 5])}, repeats=3)
     assert calls == ["a", "b"] * 4
     assert rows["a"]["prefill_s"] == 2 and rows["b"]["prefill_s"] == 5  # 9: the untimed round
     assert rows["a"]["tok_s"] == 1 / 2 and rows["b"]["tokens"] == [8]
 
 
 def test_agreement_counts_the_common_prefix() -> None:
-    assert bench.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert bench.agreement([1, 2], [1, 2, 3]) == 2
-    assert bench.agreement([5], [6]) == 0
+    assert agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert agreement([1, 2], [1, 2, 3]) == 2
+    assert agreement([5], [6]) == 0
 
 
 @pytest.mark.real_model
 @pytest.mark.slow
 @pytest.mark.skipif(not (peer_llamacpp.DEFAULT_ENV / ".kvfast-installed").exists(),
-                    reason="the llama.cpp peer environment is made by bench.py --peers llama.cpp")
+                    reason="the llama.cpp peer environment is made by bench.py engine --peers llama.cpp")
 def test_llamacpp_decodes_what_our_model_decodes(default_checkpoint) -> None:
     """Same GGUF, same prompt ids, greedy: llama.cpp's tokens are ours (its Q4_1 x Q8 dot products round
     differently from our fp32 ones, so only a short prefix is held to exact equality)."""
     model = Transformer.from_checkpoint(default_checkpoint)
     torch.manual_seed(0)
     prompt = torch.randint(100, model.args.vocab_size - 100, (1, 48))
-    ours = bench.time_ours(model, prompt, 8, compile=False, repeats=1)
+    ours = time_ours(model, prompt, 8, compile=False, repeats=1)
     theirs = peer_llamacpp.time_llamacpp(default_gguf(), prompt[0].tolist(), 8, 2, 1)
     assert theirs["tok_s"] > 0 and "CPU" in theirs["system_info"]
-    assert bench.agreement(ours["tokens"], theirs["tokens"]) >= 4, (ours["tokens"], theirs["tokens"])
+    assert agreement(ours["tokens"], theirs["tokens"]) >= 4, (ours["tokens"], theirs["tokens"])

@@ -15,7 +15,7 @@ from cache_testing import small_params, tiny_model
 
 import tp
 from cache import make_cache_factory
-from generate import Decoder
+from decode import Decoder, configure_torch
 
 PROMPT_LEN, N_NEW = 20, 16
 RUNS = (("full", False), ("h2o", False), ("h2o", True))  # (policy, compiled)
@@ -40,6 +40,7 @@ def run(policy: str, compiled: bool) -> dict:
             "step_logits": torch.stack(steps), "n_kv_heads": model.args.n_kv_heads}
 
 if __name__ == "__main__":
+    configure_torch(compile=True)
     tp.init("cpu")
     results = {f"{policy}{'+compile' if compiled else ''}": run(policy, compiled) for policy, compiled in RUNS}
     rank, world = tp.rank_and_world()

@@ -1,5 +1,4 @@
-"""bench.py --section speculate: self-speculative decoding (speculate.py) against plain decoding with the full
-cache, in one process, on real text.
+"""bench.py speculate: self-speculative decoding (speculate.py) against plain full-cache decoding, on real text.
 
 Per weights mode, full cache K/V format (fp32 and each --kv-bits) and prompt length: the first N tokens of
 --quality-text as the prompt (random ids would make the draft's acceptance meaningless), greedy, --new-tokens
@@ -15,12 +14,16 @@ import argparse
 import itertools
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 import cache as kvcache
-from generate import Decoder
+import quantize
+from benchmarks.common import Bench, Flag, row, table, text_ids
+from benchmarks.kv_bits import QUALITY_TEXT
+from decode import Decoder
 from kv.quant import kv_format
 from model import KVFastError, Transformer
 from speculate import Speculator
@@ -64,22 +67,17 @@ def interleaved_runs(runners: dict, model: Transformer, ids: Tensor, new_tokens:
     return {name: (statistics.median(rates[name]), tokens[name]) for name in runners}
 
 
-def bench_speculate(model: Transformer, checkpoint, args: argparse.Namespace) -> dict:
-    import evaltasks
-    import quantize
-    from generate import load
-
+def bench_speculate(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
     drafts = [parse_draft(d) for d in args.drafts]
-    _, tokenizer = load(checkpoint, "cpu", torch.float32)
-    text_ids = tokenizer.encode(evaltasks.load_text(args.quality_text))
+    text = text_ids(checkpoint, args.quality_text)
     out = {}
     for mode, bits in itertools.product(args.weights, (None, *args.kv_bits)):
         m = quantize.quantized_copy(model, mode)
         kv, kv_name = kv_format(bits, args.kv_float, verifies=True)
         for length in args.lengths:
-            if len(text_ids) < length:
-                raise KVFastError(f"--quality-text has {len(text_ids)} tokens, fewer than --lengths {length}")
-            ids = torch.tensor([text_ids[:length]])
+            if len(text) < length:
+                raise KVFastError(f"--quality-text has {len(text)} tokens, fewer than --lengths {length}")
+            ids = torch.tensor([text[:length]])
             room = args.new_tokens + max(args.draft_k)
             m.setup_caches(kvcache.make_cache_factory("full", 1, m.args, length, room, **kv))
             decoder = Decoder(m, compile=True, scope="block")
@@ -101,16 +99,37 @@ def bench_speculate(model: Transformer, checkpoint, args: argparse.Namespace) ->
                                   "same_tokens": tokens == plain_tokens}
             torch._dynamo.reset()
             out[f"{mode} {kv_name} {length}"] = rows
-            print(f"\n{mode} weights, {kv_name} K/V in the full cache (the draft's: fp32), {length}-token prompt "
+            table(f"{mode} weights, {kv_name} K/V in the full cache (the draft's: fp32), {length}-token prompt "
                   f"({args.quality_text}), {args.new_tokens} new tokens, greedy, compiled (block), runs interleaved, "
-                  f"median of {args.repeats}\n")
-            print("| decoding | draft slots per layer | decode tok/s | vs plain | drafts accepted | "
-                  "tokens per verification | tokens = plain |")
-            print("|---|---|---|---|---|---|---|")
+                  f"median of {args.repeats}",
+                  ["decoding", "draft slots per layer", "decode tok/s", "vs plain", "drafts accepted",
+                   "tokens per verification", "tokens = plain"])
             for name, r in rows.items():
                 if name == "plain":
-                    print(f"| plain (full cache) | - | {r['tok_s']:.1f} | 1.00x | - | 1.00 | - |")
+                    row("plain (full cache)", "-", f"{r['tok_s']:.1f}", "1.00x", "-", "1.00", "-")
                     continue
-                print(f"| {name} | {r['slots']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {100 * r['accepted']:.0f} % "
-                      f"| {r['per_round']:.2f} | {'yes' if r['same_tokens'] else 'NO'} |", flush=True)
+                row(name, r["slots"], f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}x", f"{100 * r['accepted']:.0f} %",
+                    f"{r['per_round']:.2f}", "yes" if r["same_tokens"] else "NO")
     return out
+
+
+def check(args: argparse.Namespace) -> None:
+    for text in args.drafts:
+        parse_draft(text)
+
+
+BENCH = Bench(__doc__, bench_speculate, {
+    "drafts": Flag(["window@0.05", "window@0.1"], "draft caches as POLICY@BUDGET (an evicting policy; a fraction "
+                                                  "of prompt + new tokens or a slot count)",
+                   {"nargs": "+", "metavar": "POLICY@BUDGET"}),
+    "draft_k": Flag([2, 3, 4], "drafts per round (generate.py --speculate K), a row each",
+                    {"type": int, "nargs": "+", "metavar": "K"}),
+    "weights": Flag(["fp32"], "weights, quantized in memory as quantize.py writes them, a table each"),
+    "kv_bits": Flag([], "also with the full cache's K/V in these formats (16: --kv-float; 8 / 4: quantized), a "
+                        "table each"),
+    "kv_float": Flag("auto", "the 16-bit float of --kv-bits 16 (auto: bfloat16 on a CPU with bfloat16 dot "
+                             "products, else float16)"),
+    "lengths": Flag([4096], "prompt lengths in tokens (the first tokens of --quality-text), a table each"),
+    "new_tokens": Flag(128, "tokens decoded per run"),
+    "quality_text": QUALITY_TEXT,
+}, check=check)

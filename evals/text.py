@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 import cache as kvcache
-from evalcaches import Combo, Evaluator, ShadowCaches, tier_fields
-from evalstore import NO_MODE, Store, head_fields, record_key
+from evals.caches import Combo, Evaluator, ShadowCaches, tier_fields
+from evals.store import NO_MODE, Store, head_fields, record_key
 
 
 def prefix_len(args: argparse.Namespace, combo: Combo, T: int, recall_slots: int = 0) -> int:

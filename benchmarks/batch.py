@@ -1,4 +1,4 @@
-"""bench.py --section batch: total decode tokens per second with B rows decoded together, against one row.
+"""bench.py batch: total decode tokens per second with B rows decoded together, against one row.
 
 For each --weights mode (quantized in memory as quantize.py writes them) and each B of --batch-sizes (and 1): B random
 prompts of --prompt-len tokens (row i is the same prompt for every B), the `full` cache, --new-tokens greedy tokens
@@ -16,15 +16,17 @@ import argparse
 import itertools
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 import cache as kvcache
-import model as mdl
+import kernels as mdl
 import quantize
-from generate import Decoder
+from benchmarks.common import Bench, Flag, row, table
+from decode import Decoder
 from kv.quant import kv_format
-from model import Transformer
+from model import KVFastError, Transformer
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}  # int4: reductions only
 
@@ -67,7 +69,7 @@ def kv_bytes_per_token(model: Transformer, kv: dict) -> float:
     return cache.physical_bytes() / cache.capacity * model.args.n_layers
 
 
-def bench_batch(model: Transformer, args: argparse.Namespace) -> dict:
+def bench_batch(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
     out = {}
     for prompt_len, kv_bits in itertools.product(args.prompt_len, args.kv_bits or [None]):
         kv_spec, kv_label = kv_format(kv_bits, args.kv_float)
@@ -87,13 +89,33 @@ def bench_batch(model: Transformer, args: argparse.Namespace) -> dict:
                                        "row0_same": bool(torch.equal(tokens[0], alone))}
             out[f"{prompt_len}/{mode}" + (f"/{kv_label}" if kv_bits else "")] = {f"{B}/{k}": r for (B, k), r in rows.items()}
             base = rows[min(rows)]["tok_s"]
-            print(f"\nprompt {prompt_len} tokens, {mode} weights ({weights / 1e6:.0f} MB), {kv_name} "
+            table(f"prompt {prompt_len} tokens, {mode} weights ({weights / 1e6:.0f} MB), {kv_name} "
                   f"({kv / 1e6:.1f} MB per row at mid-generation), full cache, {args.new_tokens} new tokens per row, "
-                  f"greedy, compiled (default scope), median of {args.repeats}\n")
-            print("| rows B | projections | step (ms) | total tok/s | vs B = 1 | bandwidth bound vs B = 1 | "
-                  "row 0 = its run at B = 1 |")
-            print("|---|---|---|---|---|---|---|")
+                  f"greedy, compiled (default scope), median of {args.repeats}",
+                  ["rows B", "projections", "step (ms)", "total tok/s", "vs B = 1", "bandwidth bound vs B = 1",
+                   "row 0 = its run at B = 1"])
             for (B, kernel), r in rows.items():
-                print(f"| {B} | {kernel} | {r['step_ms']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['bound']:.1f}x | "
-                      f"{'yes' if r['row0_same'] else 'no'} |")
+                row(B, kernel, f"{r['step_ms']:.1f}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / base:.2f}x",
+                    f"{r['bound']:.1f}x", "yes" if r["row0_same"] else "no")
     return out
+
+
+def check(args: argparse.Namespace) -> None:
+    if any(b < 1 for b in args.batch_sizes):
+        raise KVFastError(f"--batch-sizes {' '.join(map(str, args.batch_sizes))}: every size must be at least 1")
+
+
+BENCH = Bench(__doc__, bench_batch, {
+    "batch_sizes": Flag([1, 2, 4, 8], "rows decoded together, a row of the table each (B = 1 is always measured)",
+                        {"type": int, "nargs": "+", "metavar": "B"}),
+    "batch_kernels": Flag(["gemm", "reductions"], "the projection kernels measured from the rows where the blocked "
+                                                  "GEMM takes over (kernels.gemm_rows), a row each (gemm only where "
+                                                  "this CPU has one for the weights)",
+                          {"nargs": "+", "choices": ["gemm", "reductions"]}),
+    "prompt_len": Flag([512], "prompt lengths in tokens, a table each"),
+    "new_tokens": Flag(128, "tokens decoded per row"),
+    "weights": Flag(["fp32"], "weights, quantized in memory as quantize.py writes them, a table each"),
+    "kv_bits": Flag([], "these K/V formats instead of the compute dtype's (16: --kv-float; 8 / 4: quantized), a "
+                        "table each"),
+    "kv_float": Flag("auto", "the 16-bit float of --kv-bits 16 (generate.py --kv-float; auto: float16)"),
+}, check=check)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from evalcaches import Combo
+from evals.caches import Combo
 from model import KVFastError
 
 NO_MODE = "-"  # ppl and attention loss have no question

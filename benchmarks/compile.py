@@ -1,5 +1,6 @@
-"""bench.py --section compile: what compiling the decode step costs, per policy and compile scope, each figure
-from a fresh process (the compile caches of a process would hide a cold start).
+"""bench.py compile: what compiling the decode step costs, per policy and compile scope, in fresh processes.
+
+Each figure comes from a fresh process (the compile caches of a process would hide a cold start).
 
 Per (policy, scope), three runs of generate.py --compile, each in its own process:
   cold      an empty Inductor cache (a new TORCHINDUCTOR_CACHE_DIR); it saves --compile-cache FILE
@@ -21,16 +22,27 @@ the step compiled, compile seconds in all, and decode tok/s against exact capaci
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+import torch
+
+from benchmarks.common import Bench, Flag, row, table
+from cache import make_cache_factory
+from compilecache import CompileCache, dynamo_count, graph_count
+from decode import Decoder, configure_torch, prefill
+from model import KVFastError, Transformer
+from tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
 SCOPES = ("step", "block")
 RUNS = ("cold", "warm", "portable")
 WARM_REPEATS = 3
@@ -58,7 +70,7 @@ def run_generate(checkpoint: Path, policy: str, scope: str, prompt: Path, new_to
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
     if proc.returncode:
-        raise RuntimeError(f"generate.py failed ({' '.join(cmd)}): {proc.stderr.strip().splitlines()[-1:]}")
+        raise KVFastError(f"generate.py failed ({' '.join(cmd)}): {proc.stderr.strip().splitlines()[-1:]}")
     out = {"wall_s": wall}
     for key, pattern in PATTERNS.items():
         m = re.search(pattern, proc.stdout)
@@ -73,14 +85,12 @@ def bench_compile(checkpoint: Path, policies: list[str], prompt_len: int, new_to
         prompt = Path(tmp) / "prompt.txt"
         words = PROMPT.split()
         prompt.write_text(" ".join(words[i % len(words)] for i in range(int(prompt_len * 0.75))))
-        print(f"\ncompile latency: generate.py --compile per policy and --compile-scope, each run a fresh process "
+        table(f"compile latency: generate.py --compile per policy and --compile-scope, each run a fresh process "
               f"(cold: empty Inductor cache; warm: the same cache again, median of {WARM_REPEATS} runs; portable: "
-              f"empty Inductor cache + "
-              f"--compile-cache from the cold run); a prompt of about {prompt_len} tokens, {new_tokens} new "
-              f"tokens, budget {budget:g}; first token = compile + prefill after the model is loaded\n")
-        print("| policy | scope | cold compile s | warm s (range) | portable s | graphs | recompiles | graph breaks | "
-              "first token (cold) s | first token (portable) s | decode tok/s | vs step |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              f"empty Inductor cache + --compile-cache from the cold run); a prompt of about {prompt_len} tokens, "
+              f"{new_tokens} new tokens, budget {budget:g}; first token = compile + prefill after the model is loaded",
+              ["policy", "scope", "cold compile s", "warm s (range)", "portable s", "graphs", "recompiles",
+               "graph breaks", "first token (cold) s", "first token (portable) s", "decode tok/s", "vs step"])
         for policy in policies:
             results[policy] = {}
             for scope in SCOPES:
@@ -96,27 +106,32 @@ def bench_compile(checkpoint: Path, policies: list[str], prompt_len: int, new_to
                 results[policy][scope] = runs | {"artifacts": str(artifacts)}
                 cold, warm, portable = (runs[r] for r in RUNS)
                 step_speed = results[policy]["step"]["cold"]["tok_s"]
-                print(f"| {policy} | {scope} | {cold['compile_s']:.1f} | {warm['compile_s']:.1f} "
-                      f"({min(warm['compile_s_runs']):.1f}-{max(warm['compile_s_runs']):.1f}) | "
-                      f"{portable['compile_s']:.1f} | {cold['graphs']:.0f} | {cold['recompiles']:.0f} | "
-                      f"{cold['graph_breaks']:.0f} | {cold['first_token_s']:.1f} | {portable['first_token_s']:.1f} | "
-                      f"{cold['tok_s']:.1f} | {cold['tok_s'] / step_speed:.2f}x |", flush=True)
-        print(f"\ndecode, both scopes in one process: {AB_ROUNDS} alternating rounds of {new_tokens} timed steps after "
-              "a prefill, ms per step (median, 10th percentile)\n")
-        print("| policy | step ms | block ms | block vs step (median) | block vs step (p10) |")
-        print("|---|---|---|---|---|")
+                row(policy, scope, f"{cold['compile_s']:.1f}",
+                    f"{warm['compile_s']:.1f} ({min(warm['compile_s_runs']):.1f}-{max(warm['compile_s_runs']):.1f})",
+                    f"{portable['compile_s']:.1f}", f"{cold['graphs']:.0f}", f"{cold['recompiles']:.0f}",
+                    f"{cold['graph_breaks']:.0f}", f"{cold['first_token_s']:.1f}", f"{portable['first_token_s']:.1f}",
+                    f"{cold['tok_s']:.1f}", f"{cold['tok_s'] / step_speed:.2f}x")
+        table(f"decode, both scopes in one process: {AB_ROUNDS} alternating rounds of {new_tokens} timed steps after "
+              "a prefill, ms per step (median, 10th percentile)",
+              ["policy", "step ms", "block ms", "block vs step (median)", "block vs step (p10)"])
         for policy in policies:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "scopes", str(checkpoint), policy, str(prompt),
-                   str(new_tokens), str(budget), *(results[policy][scope]["artifacts"] for scope in SCOPES)]
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / f"{policy}-ab")}
-            proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=ROOT)
-            if proc.returncode:
-                raise RuntimeError(f"scopes worker failed: {proc.stderr.strip().splitlines()[-1:]}")
-            ab = results[policy]["in_process"] = json.loads(proc.stdout.strip().splitlines()[-1])
+            ab = results[policy]["in_process"] = run_worker(
+                env, "scopes", checkpoint, policy, prompt, new_tokens, budget,
+                *(results[policy][scope]["artifacts"] for scope in SCOPES))
             step, block = ab["step"], ab["block"]
-            print(f"| {policy} | {step['median']:.1f} | {block['median']:.1f} | "
-                  f"{step['median'] / block['median']:.2f}x | {step['p10'] / block['p10']:.2f}x |", flush=True)
+            row(policy, f"{step['median']:.1f}", f"{block['median']:.1f}", f"{step['median'] / block['median']:.2f}x",
+                f"{step['p10'] / block['p10']:.2f}x")
     return results
+
+
+def run_worker(env: dict[str, str], *argv: object) -> dict:
+    """A worker of this module in a fresh process (its compile caches its own), its JSON answer."""
+    cmd = [sys.executable, "-m", "benchmarks.compile", *map(str, argv)]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise KVFastError(f"{argv[0]} worker failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 AB_ROUNDS = 15
@@ -126,16 +141,7 @@ def scopes_worker(checkpoint: str, policy: str, prompt: str, new_tokens: int, bu
                   artifacts: list[str]) -> dict:
     """In this process: the model, a Decoder per scope (compiled from the cold runs' artifacts), then
     AB_ROUNDS rounds that each prefill and decode new_tokens timed steps under every scope in turn."""
-    import statistics
-
-    import torch
-
-    from cache import make_cache_factory
-    from compilecache import CompileCache
-    from generate import Decoder, prefill
-    from model import Transformer
-    from tokenizer import load_tokenizer
-
+    configure_torch(compile=True)
     for path in artifacts:
         CompileCache(Path(path), "cpu").load()
     model = Transformer.from_checkpoint(Path(checkpoint))
@@ -168,13 +174,7 @@ def lengths_worker(checkpoint: str, policy: str, scope: str, buckets: str, new_t
     """In this process: one Decoder; per prompt length new caches, the warm-up (compiles when the capacity is
     new), a prefill and new_tokens timed decode steps. The recompile limit is raised so that exact capacities
     (one graph per length) can be counted past dynamo's default of 8."""
-    import torch
-
-    from cache import make_cache_factory
-    from compilecache import dynamo_count, graph_count
-    from generate import Decoder, prefill
-    from model import Transformer
-
+    configure_torch(compile=True, dynamic_capacity=buckets == "dynamic")
     torch._dynamo.config.recompile_limit = 4 * len(LENGTHS)
     model = Transformer.from_checkpoint(Path(checkpoint))
     decoder = Decoder(model, compile=True, scope=scope, dynamic_capacity=buckets == "dynamic")
@@ -200,35 +200,57 @@ def lengths_worker(checkpoint: str, policy: str, scope: str, buckets: str, new_t
 
 def bench_lengths(checkpoint: Path, policies: list[str], scope: str, settings: list[str],
                   new_tokens: int = 32) -> dict:
-    print(f"\nmany prompt lengths in one process: one Decoder (--compile-scope {scope}), prompts of "
+    table(f"many prompt lengths in one process: one Decoder (--compile-scope {scope}), prompts of "
           f"{', '.join(map(str, LENGTHS))} tokens, {new_tokens} new tokens each; a fresh process with an empty "
-          "Inductor cache per row; compile s = the warm-ups of all ten prompts; tok/s = mean over the prompts\n")
-    print("| policy | capacities (--capacity-buckets, or --dynamic-capacity) | distinct | step compiled | compile s | decode tok/s | vs off |")
-    print("|---|---|---|---|---|---|---|")
+          "Inductor cache per row; compile s = the warm-ups of all ten prompts; tok/s = mean over the prompts",
+          ["policy", "capacities (--capacity-buckets, or --dynamic-capacity)", "distinct", "step compiled",
+           "compile s", "decode tok/s", "vs off"])
     results: dict = {}
     for policy in policies:
         results[policy] = {}
         for setting in settings:
             with tempfile.TemporaryDirectory() as tmp:
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
-                cmd = [sys.executable, str(Path(__file__).resolve()), str(checkpoint), policy, scope, setting,
-                       str(new_tokens)]
-                proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=ROOT)
-            if proc.returncode:
-                raise RuntimeError(f"lengths worker failed: {proc.stderr.strip().splitlines()[-1:]}")
-            r = results[policy][setting] = json.loads(proc.stdout.strip().splitlines()[-1])
+                r = results[policy][setting] = run_worker(env, "lengths", checkpoint, policy, scope, setting,
+                                                          new_tokens)
             speed = sum(x["tok_s"] for x in r["rows"]) / len(r["rows"])
             base = results[policy].get(settings[0], r)
             base_speed = sum(x["tok_s"] for x in base["rows"]) / len(base["rows"])
             caps = len({x["capacity"] for x in r["rows"]})
-            print(f"| {policy} | {setting} | {caps} | {r['compiles']} times | {r['compile_s']:.1f} | {speed:.1f} | "
-                  f"{speed / base_speed:.2f}x |", flush=True)
+            row(policy, setting, caps, f"{r['compiles']} times", f"{r['compile_s']:.1f}", f"{speed:.1f}",
+                f"{speed / base_speed:.2f}x")
     return results
 
 
-if __name__ == "__main__":  # the workers of bench_compile and bench_lengths
+def run(model: Transformer | None, checkpoint: Path, args: argparse.Namespace) -> dict:
+    """The cold / warm / portable table (unless --lengths-only), then the many-lengths one (unless
+    --length-policies is empty)."""
+    out = {}
+    if not args.lengths_only:
+        out["scopes"] = bench_compile(checkpoint, args.policies, args.prompt_len[0], args.new_tokens, 0.5)
+    if args.length_policies:
+        out["lengths"] = bench_lengths(checkpoint, args.length_policies, "block", ["off", *args.buckets])
+    return out
+
+
+BENCH = Bench(__doc__, run, {
+    "policies": Flag(["full", "h2o", "scissorhands", "snapkv"], "policies of the cold / warm / portable rows, "
+                                                                "evicting ones at a budget of 0.5"),
+    "prompt_len": Flag([512], "prompt tokens of those runs (the first value)"),
+    "new_tokens": Flag(128, "tokens decoded per run"),
+    "buckets": Flag(["x4", "dynamic"], "--capacity-buckets settings (and dynamic: --dynamic-capacity) to compare "
+                                       "with off over ten prompt lengths", {"nargs": "+", "metavar": "SETTING"}),
+    "length_policies": Flag(["full", "h2o"], "policies of the ten-prompt-lengths rows, evicting ones at a budget of "
+                                             "0.5 (none given: skip those rows)",
+                            {"nargs": "*", "metavar": "POLICY"}),
+    "lengths_only": Flag(False, "only the ten-prompt-lengths rows (no cold / warm / portable runs)",
+                         {"action": "store_true"}),
+}, needs_model=False)
+
+
+if __name__ == "__main__":  # the workers of bench_compile and bench_lengths, each in a fresh process
     if sys.argv[1] == "scopes":
         print(json.dumps(scopes_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), float(sys.argv[6]),
                                        sys.argv[7:])))
     else:
-        print(json.dumps(lengths_worker(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))))
+        print(json.dumps(lengths_worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]))))

@@ -1,4 +1,4 @@
-"""bench.py --section tp: generate.py on 1 process against torchrun on N ranks (tp.py), same prompt, same cores.
+"""bench.py tp: generate.py on 1 process against torchrun on N ranks (tp.py), same prompt, same cores.
 
 Each row is a fresh `generate.py --compile --temperature 0 --ignore-eos` run (through torchrun for N > 1) on a
 prompt of about --prompt-len tokens of --quality-text, --new-tokens, --repeats samples after the warm-up, the
@@ -19,9 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from model import KVFastError
+from benchmarks.common import Bench, Flag, row, table, tokenizer_of
+from benchmarks.kv_bits import QUALITY_TEXT
+from evals import tasks
+from model import KVFastError, Transformer
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def weights_file(checkpoint: Path, weights: str) -> Path:
@@ -54,12 +57,9 @@ def run_generate(ranks: int, flags: list[str]) -> dict:
             "threads": env["OMP_NUM_THREADS"]}
 
 
-def bench_tp(checkpoint: Path, args: argparse.Namespace) -> dict:
-    import evaltasks
-    from tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(checkpoint)
-    prompt = tokenizer.decode(tokenizer.encode(evaltasks.load_text(args.quality_text))[: args.prompt_len[0]])
+def bench_tp(model: Transformer | None, checkpoint: Path, args: argparse.Namespace) -> dict:
+    tokenizer = tokenizer_of(checkpoint)
+    prompt = tokenizer.decode(tokenizer.encode(tasks.load_text(args.quality_text))[: args.prompt_len[0]])
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompt.txt"
@@ -70,15 +70,25 @@ def bench_tp(checkpoint: Path, args: argparse.Namespace) -> dict:
                      "--num-samples", str(args.repeats)]
             for ranks in args.tp_ranks:
                 rows[f"{weights}/{ranks}"] = {"weights": weights, "ranks": ranks, **run_generate(ranks, flags)}
-    print(f"\ngenerate.py --compile, full cache, greedy, {args.new_tokens} new tokens, median of {args.repeats} "
-          f"samples; {os.cpu_count()} cores shared by the ranks\n")
-    print("| weights | ranks | threads per rank | prompt tokens | compile (s) | decode tok/s | vs 1 rank | "
-          "text = 1 rank's |")
-    print("|---|---|---|---|---|---|---|---|")
+    table(f"generate.py --compile, full cache, greedy, {args.new_tokens} new tokens, median of {args.repeats} "
+          f"samples; {os.cpu_count()} cores shared by the ranks",
+          ["weights", "ranks", "threads per rank", "prompt tokens", "compile (s)", "decode tok/s", "vs 1 rank",
+           "text = 1 rank's"])
     for r in rows.values():
         base = rows.get(f"{r['weights']}/1", r)
-        print(f"| {r['weights']} | {r['ranks']} | {r['threads']} | {r['prompt_tokens']} | {r['compile_s']:.1f} | "
-              f"{r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | {'yes' if r['text'] == base['text'] else 'NO'} |")
+        row(r["weights"], r["ranks"], r["threads"], r["prompt_tokens"], f"{r['compile_s']:.1f}", f"{r['tok_s']:.1f}",
+            f"{r['tok_s'] / base['tok_s']:.2f}x", "yes" if r["text"] == base["text"] else "NO")
     for r in rows.values():
         del r["text"]
     return rows
+
+
+BENCH = Bench(__doc__, bench_tp, {
+    "tp_ranks": Flag([1, 2], "process counts, a row each (torchrun for more than 1; tp.py)",
+                     {"type": int, "nargs": "+", "metavar": "N"}),
+    "weights": Flag(["fp32"], "weights (the checkpoint's, or quantize.py's file, written on first use), a group of "
+                              "rows each"),
+    "prompt_len": Flag([512], "prompt tokens, cut from --quality-text (the first value)"),
+    "new_tokens": Flag(128, "tokens decoded per sample"),
+    "quality_text": QUALITY_TEXT,
+}, needs_model=False)

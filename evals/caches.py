@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import cache as kvcache
-from generate import Decoder
+from decode import Decoder
 from kv import kvzip
 from kv.pool import PoolCache
 from kv.tiers import DEFAULTS as TIER_FLAG_DEFAULTS

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from model import KVFastError
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 DATA_DIR = ROOT / "data"
 # text sources by name: the files scripts/fetch_data.py unpacks (or writes) under data/
 TEXT_SOURCES = {

@@ -3,8 +3,8 @@
     python eval.py --ray --ray-workers 2 ...        # a local Ray cluster of 2 workers on this machine
     python eval.py --ray auto ...                   # an existing cluster (`ray start --head` here, or ADDRESS)
 
-Each cell (a batch of samples of one task and length, eval.Cell) is one task: it prefills once and runs every
-policy and budget on it, as a single process would. A worker loads the model once and keeps it for the cells it
+Each cell (a batch of samples of one task and length, evals.evaluator.Cell) is one task: it prefills once and
+runs every policy and budget on it, as a single process would. A worker loads the model once and keeps it for the cells it
 runs next. The driver adds each finished cell's records to the store and saves it, so a run stopped at any point
 resumes where it was (finished cells are skipped, a partly done cell computes only what is missing); a worker
 killed mid-cell loses only that cell, which Ray runs again (`max_retries`), and since records are keyed, nothing
@@ -21,15 +21,19 @@ from typing import Any
 
 import torch
 
-from evalstore import Store
+from cli import load
+from decode import configure_torch
+from evals.caches import Evaluator
+from evals.evaluator import Cell, Inputs, combos_of, run_cell
+from evals.store import Store
 from model import KVFastError
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository: a worker's PYTHONPATH
 RETRIES = 3  # a cell whose worker dies is run again, up to this many times
 
 
 class CellStore:
-    """What eval.run_cell needs of a Store, inside a worker: the cell's finished keys in, its new records out."""
+    """What evals.evaluator.run_cell needs of a Store, inside a worker: the cell's finished keys in, its new records out."""
 
     def __init__(self, done: set[str]):
         self.finished, self.records = done, {}
@@ -53,21 +57,19 @@ class NoBar:
 _WORKER: dict[tuple, Any] = {}  # per worker process: (evaluator, its inputs) of the last checkpoint it loaded
 
 
-def run_cell_task(args: argparse.Namespace, checkpoint: str, dtype: str, cell: Any, done: list[str]) -> list[dict]:
+def run_cell_task(args: argparse.Namespace, checkpoint: str, dtype: str, cell: Cell, done: list[str]) -> list[dict]:
     """A Ray task: the records of one cell (those not in done)."""
-    import eval as ev_mod
-    from generate import load
-
     key = (checkpoint, args.device, dtype)
     if key not in _WORKER:
+        configure_torch(args.compile)
         model, tokenizer = load(Path(checkpoint), args.device, getattr(torch, dtype))
-        evaluator = ev_mod.Evaluator(model, tokenizer, args)
+        evaluator = Evaluator(model, tokenizer, args)
         _WORKER.clear()
-        _WORKER[key] = (evaluator, ev_mod.Inputs(evaluator))
+        _WORKER[key] = (evaluator, Inputs(evaluator))
     evaluator, inputs = _WORKER[key]
     store = CellStore(set(done))
     with torch.inference_mode():
-        ev_mod.run_cell(evaluator, inputs, cell, ev_mod.combos_of(args), store, NoBar())
+        run_cell(evaluator, inputs, cell, combos_of(args), store, NoBar())
     return list(store.records.values())
 
 
@@ -90,9 +92,10 @@ def connect(address: str, workers: int | None) -> Any:
     return ray
 
 
-def run_cells(address: str, cells: list, keys: dict, store: Store, bar: Any, args: argparse.Namespace,
-              checkpoint: Path, dtype: str, workers: int | None = None) -> None:
-    """Submit every cell, then take results as they come: add, save, count."""
+def run_cells(cells: list[Cell], keys: dict[Cell, list[str]], store: Store, bar: Any, *, address: str,
+              args: argparse.Namespace, checkpoint: Path, dtype: str, workers: int | None = None) -> None:
+    """Submit every cell, then take results as they come: add, save, count. The keywords say where (a cluster
+    address, or "local") and how a worker loads the model; bound, this is evals.evaluator's RemoteRunner."""
     ray = connect(address, workers)
     try:
         task = ray.remote(num_cpus=1, max_retries=RETRIES)(run_cell_task)

@@ -1,4 +1,4 @@
-"""bench.py --section ragged: several different prompts decoded together (ragged.py) against one run per prompt.
+"""bench.py ragged: several different prompts decoded together (ragged.py) against one run per prompt.
 
 Eight prompts (--ragged-lengths, default 20 to 2000 tokens) cut from --quality-text at different places, greedy,
 --new-tokens each, compiled (block scope), per policy of --policies (default full and h2o at --budget): the
@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 import cache as kvcache
 import ragged
-from generate import Decoder, prefill
+from benchmarks.common import Bench, Flag, row, table, text_ids
+from benchmarks.kv_bits import QUALITY_TEXT
+from decode import Decoder, prefill
 from model import KVFastError, Transformer
 
 
@@ -57,15 +60,11 @@ def run_alone(model: Transformer, decoder: Decoder, ids: list[int], caches: list
     return t1 - t0, t2 - t1, torch.cat([first, rest], 1)
 
 
-def bench_ragged(model: Transformer, checkpoint, args: argparse.Namespace) -> dict:
-    import evaltasks
-    from generate import load
-
-    _, tokenizer = load(checkpoint, "cpu", torch.float32)
-    rows = prompts_from_text(tokenizer.encode(evaltasks.load_text(args.quality_text)), args.ragged_lengths)
+def bench_ragged(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
+    rows = prompts_from_text(text_ids(checkpoint, args.quality_text), args.ragged_lengths)
     longest, n = max(map(len, rows)), model.args.n_layers
     out = {}
-    for policy in args.policies or ["full", "h2o"]:
+    for policy in args.policies:
         budget = None if policy == "full" else args.budget
         batch, single = ([kvcache.make_cache_factory(policy, b, model.args, longest, args.new_tokens, budget=budget)(i)
                           for i in range(n)] for b in (len(rows), 1))  # single: each prompt's prefill, each run alone
@@ -83,13 +82,23 @@ def bench_ragged(model: Transformer, checkpoint, args: argparse.Namespace) -> di
                        "tok_s_together": tokens / decode_together, "tok_s_alone": tokens / decode_alone,
                        "same_rows": same, "rows": len(rows)}
         torch._dynamo.reset()
-    print(f"\n{len(rows)} prompts of {', '.join(str(len(r)) for r in rows)} tokens ({args.quality_text}), "
-          f"{args.new_tokens} new tokens each, greedy, compiled (block), median of {args.repeats}\n")
-    print("| policy | slots per layer | prefill, all prompts (s) | decode tok/s, one run per prompt | "
-          "decode tok/s, together | speed-up | rows = their run alone |")
-    print("|---|---|---|---|---|---|---|")
+    table(f"{len(rows)} prompts of {', '.join(str(len(r)) for r in rows)} tokens ({args.quality_text}), "
+          f"{args.new_tokens} new tokens each, greedy, compiled (block), median of {args.repeats}",
+          ["policy", "slots per layer", "prefill, all prompts (s)", "decode tok/s, one run per prompt",
+           "decode tok/s, together", "speed-up", "rows = their run alone"])
     for policy, r in out.items():
         name = policy if policy == "full" else f"{policy} @ {args.budget:g}"
-        print(f"| {name} | {r['capacity']} | {r['prefill_s']:.2f} | {r['tok_s_alone']:.1f} | {r['tok_s_together']:.1f} "
-              f"| {r['tok_s_together'] / r['tok_s_alone']:.2f}x | {r['same_rows']} of {r['rows']} |")
+        row(name, r["capacity"], f"{r['prefill_s']:.2f}", f"{r['tok_s_alone']:.1f}", f"{r['tok_s_together']:.1f}",
+            f"{r['tok_s_together'] / r['tok_s_alone']:.2f}x", f"{r['same_rows']} of {r['rows']}")
     return out
+
+
+BENCH = Bench(__doc__, bench_ragged, {
+    "ragged_lengths": Flag([20, 45, 100, 200, 400, 700, 1200, 2000], "the prompts' lengths in tokens, a row of the "
+                                                                      "batch each",
+                           {"type": int, "nargs": "+", "metavar": "N"}),
+    "policies": Flag(["full", "h2o"], "cache policies, a row each"),
+    "budget": Flag(0.25, "cache budget of the policies other than full"),
+    "new_tokens": Flag(128, "tokens decoded per prompt"),
+    "quality_text": QUALITY_TEXT,
+})

@@ -1,4 +1,4 @@
-"""bench.py --section tiers: a tiered cache (kv.tiers) against the plain policy at the same hot budget.
+"""bench.py tiers: a tiered cache (kv.tiers) against the plain policy at the same hot budget.
 
 Compiled decode steps from caches filled as after --lengths tokens (random K/V; with tiers, a full warm store of
 random pages): the step alone, a step that recalls first, and the mean step over 256 steps as generation runs
@@ -13,39 +13,30 @@ import argparse
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 import cache as kvcache
-from evalcaches import tier_settings
-from generate import Decoder, synchronize
+from benchmarks.common import Bench, Flag, row, table
+from decode import Decoder, synchronize
+from evals.caches import add_tier_flags, tier_settings
 from kv.tiers import tier_report
-from model import Transformer
+from model import KVFastError, Transformer
 
-SPARSE_RECALL = 32  # the tiers issue's schedule for the step-time target: a recall every 32 steps
+SPARSE_RECALL = 32  # the schedule the tiers' step-time target is stated for: a recall every 32 steps
 INTERLEAVED_ROUNDS = 15
 SPAN_ROUNDS = 5
 TIER_SPAN = 256  # steps of the average: recall every --recall-interval, flush every --page-size positions
 
 
-def timed_steps(model: Transformer, decoder: Decoder, spec, start: int, steps: int, recall: bool = False) -> float:
-    """Seconds per decode step over `steps` steps from position `start` (recalling first if `recall`), the
-    step call alone timed: refreshes and tier flushes run untimed on their schedules."""
-    interval, device = decoder.refresh_interval(), next(model.parameters()).device
-    step = decoder.step_recall if recall else decoder.step
-    x, pos, spent = torch.tensor([[42]], device=device), torch.tensor([start], device=device), 0.0
-    for p in range(start, start + steps):
-        if interval and p % interval == 0:
-            decoder.refresh(model)
-        if spec and p % spec.page_size == 0:
-            decoder.flush(model)
-        synchronize(str(device))
-        t0 = time.perf_counter()
-        x, _ = step(model, x, pos, 0.0, None)
-        synchronize(str(device))
-        spent += time.perf_counter() - t0
-        x, pos = x.clone(), pos + 1
-    return spent / steps
+def timed_steps(model: Transformer, decoder: Decoder, start: int, steps: int, recall: bool = False) -> float:
+    """Seconds per decode step over `steps` steps from position `start` as Decoder.decode runs them (tiers: a
+    recall first at every step if `recall`, else at none), the step call alone timed: refreshes and tier flushes
+    run untimed on their schedules."""
+    device, times = next(model.parameters()).device, []
+    decoder.decode(torch.tensor([[42]], device=device), start, steps, recall=recall, step_times=times)
+    return sum(times) / steps
 
 
 def tier_step_times(model: Transformer, policy: str, context_len: int, budget: float, tiers: dict | None,
@@ -74,7 +65,7 @@ def tier_step_times(model: Transformer, policy: str, context_len: int, budget: f
 
     def single(recall: bool) -> float:
         refill()
-        return timed_steps(model, decoder, spec, context_len, steps, recall)
+        return timed_steps(model, decoder, context_len, steps, recall)
 
     def whole(interval: int | None = None) -> float:
         """The span as Decoder.decode runs it; with tiers, recalling every `interval` positions if given."""
@@ -141,7 +132,7 @@ def interleaved_steps(model: Transformer, policy: str, context_len: int, budget:
         for r in range(rounds + 1):  # the first round compiles
             for name, (caches, spec) in setups.items():
                 install(caches, spec)
-                ms = 1e3 * timed_steps(model, decoder, spec, context_len + (r * steps) % TIER_SPAN, steps)
+                ms = 1e3 * timed_steps(model, decoder, context_len + (r * steps) % TIER_SPAN, steps)
                 if r:
                     times["step"][name].append(ms)
         for _ in range(span_rounds):
@@ -157,25 +148,24 @@ def interleaved_steps(model: Transformer, policy: str, context_len: int, budget:
     return times
 
 
-def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
+def bench_tiers(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
     """Per policy and length: the plain policy and the same policy with tiers at the same hot budget."""
-    policies = args.policies or ["h2o"]
-    lengths = args.lengths or [4096]
+    policies, lengths = args.policies, args.lengths
     tiers = tier_settings(args)
-    print(f"\ntiers: decode step time (ms), compiled (--compile-scope {args.compile_scope}), median of {args.repeats}; budget {args.budget:g} of context + "
+    table(f"tiers: decode step time (ms), compiled (--compile-scope {args.compile_scope}), median of {args.repeats}; "
+          f"budget {args.budget:g} of context + "
           f"{TIER_SPAN + 1} new tokens, the same hot slots for both (the tiered cache's recall slots among them); "
           f"warm store {tiers['warm_tokens']:g} of the tokens at {tiers['warm_bits']:g} bits, pages of "
-          f"{tiers['page_size']:g}, a recall installing at most {tiers['recall_installs']:g} of the recall pages (hits stay). "
-          f"step: the step alone, mean of {args.steps}; recall: a step that recalls first; "
+          f"{tiers['page_size']:g}, a recall installing at most {tiers['recall_installs']:g} of the recall pages "
+          f"(hits stay). step: the step alone, mean of {args.steps}; recall: a step that recalls first; "
           f"avg: the mean over {TIER_SPAN} steps as generation runs them (flushes, recalls, refreshes), recalling "
-          f"every {tiers['recall_interval']:g} positions (the setting), and every {SPARSE_RECALL} (the tiers "
-          f"issue's schedule). Ratios vs the plain policy (targets: step <= 1.05x, {TIER_SPAN}-step avg with a "
+          f"every {tiers['recall_interval']:g} positions (the setting), and every {SPARSE_RECALL} (the targets' "
+          f"schedule). Ratios vs the plain policy (targets: step <= 1.05x, {TIER_SPAN}-step avg with a "
           f"recall every {SPARSE_RECALL} <= 1.25x). Moved: hot->warm + warm->hot bytes per step over those "
-          f"{TIER_SPAN} steps at the setting (random warm pages); warm: the warm store; hot: the K/V buffers\n")
-    print(f"| policy | tokens | slots (recall) | plain step | plain avg | tiered step | recall step | "
-          f"tiered avg (every {tiers['recall_interval']:g}) | tiered avg (every {SPARSE_RECALL}) | moved KB/step | "
-          "warm MB | hot MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"{TIER_SPAN} steps at the setting (random warm pages); warm: the warm store; hot: the K/V buffers",
+          ["policy", "tokens", "slots (recall)", "plain step", "plain avg", "tiered step", "recall step",
+           f"tiered avg (every {tiers['recall_interval']:g})", f"tiered avg (every {SPARSE_RECALL})", "moved KB/step",
+           "warm MB", "hot MB"])
     results: dict = {}
     notes = []
     for policy in policies:
@@ -188,23 +178,22 @@ def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
             ratios = {"step": warm["step_s"] / base["step_s"], "recall": warm["recall_s"] / base["step_s"],
                       "avg": warm["span_s"] / base["span_s"], "sparse_avg": warm["sparse_span_s"] / base["span_s"]}
             results[policy][n] = {"plain": base, "tiered": warm, "ratios": ratios, "tier_settings": tiers}
-            print(f"| {policy} | {n} | {warm['capacity']} ({warm['recall_slots']}) | {1e3 * base['step_s']:.2f} | "
-                  f"{1e3 * base['span_s']:.2f} | {1e3 * warm['step_s']:.2f} ({ratios['step']:.2f}x) | "
-                  f"{1e3 * warm['recall_s']:.2f} ({ratios['recall']:.2f}x) | {1e3 * warm['span_s']:.2f} "
-                  f"({ratios['avg']:.2f}x) | {1e3 * warm['sparse_span_s']:.2f} ({ratios['sparse_avg']:.2f}x) | "
-                  f"{warm['moved_per_step'] / 1e3:.1f} | {warm['warm_MB']:.1f} | "
-                  f"{warm['hot_MB']:.1f} |", flush=True)
+            row(policy, n, f"{warm['capacity']} ({warm['recall_slots']})", f"{1e3 * base['step_s']:.2f}",
+                f"{1e3 * base['span_s']:.2f}", f"{1e3 * warm['step_s']:.2f} ({ratios['step']:.2f}x)",
+                f"{1e3 * warm['recall_s']:.2f} ({ratios['recall']:.2f}x)",
+                f"{1e3 * warm['span_s']:.2f} ({ratios['avg']:.2f}x)",
+                f"{1e3 * warm['sparse_span_s']:.2f} ({ratios['sparse_avg']:.2f}x)",
+                f"{warm['moved_per_step'] / 1e3:.1f}", f"{warm['warm_MB']:.1f}", f"{warm['hot_MB']:.1f}")
             r = warm["tiers"]
             notes.append(f"{policy} at {n} tokens, over {TIER_SPAN} steps: {r['flushed_pages']} pages flushed, "
                          f"{warm['recall_steps']} recall steps, {r['recall_hits']} page hits, {r['recall_misses']} "
                          f"misses, {r['cold_pages']} pages dropped cold (summed over layers and KV heads)")
     print("\n" + "\n".join(notes))
-    print(f"\nplain and tiered in one process, alternating: the non-recall step ({INTERLEAVED_ROUNDS} rounds of "
+    table(f"plain and tiered in one process, alternating: the non-recall step ({INTERLEAVED_ROUNDS} rounds of "
           f"{args.steps} steps; target <= 1.05x) and the average over {TIER_SPAN} steps with a recall every "
-          f"{SPARSE_RECALL} ({SPAN_ROUNDS} runs; target <= 1.25x); ms per step, median (10th percentile)\n")
-    print("| policy | tokens | plain step | tiered step | step: tiered vs plain | plain avg | tiered avg (every "
-          f"{SPARSE_RECALL}) | avg: tiered vs plain |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{SPARSE_RECALL} ({SPAN_ROUNDS} runs; target <= 1.25x); ms per step, median (10th percentile)",
+          ["policy", "tokens", "plain step", "tiered step", "step: tiered vs plain", "plain avg",
+           f"tiered avg (every {SPARSE_RECALL})", "avg: tiered vs plain"])
     for policy in policies:
         for n in lengths:
             t = interleaved_steps(model, policy, n, args.budget, tiers, args.steps, INTERLEAVED_ROUNDS,
@@ -216,5 +205,21 @@ def bench_tiers(model: Transformer, args: argparse.Namespace) -> dict:
                 low = {k: min(v) if len(v) < 4 else statistics.quantiles(v, n=10)[0] for k, v in t[kind].items()}
                 cells += [f"{med['plain']:.2f}", f"{med['tiered']:.2f}",
                           f"{med['tiered'] / med['plain']:.3f}x ({low['tiered'] / low['plain']:.3f}x)"]
-            print(f"| {policy} | {n} | " + " | ".join(cells) + " |", flush=True)
+            row(policy, n, *cells)
     return results
+
+
+def check(args: argparse.Namespace) -> None:
+    tier_settings(args)  # bad tier flags fail before the model loads
+    if args.steps > TIER_SPAN:
+        raise KVFastError(f"--steps {args.steps}: the tiers table's caches hold {TIER_SPAN} steps")
+
+
+BENCH = Bench(__doc__, bench_tiers, {
+    "policies": Flag(["h2o"], "evicting policies, each run plain and tiered"),
+    "lengths": Flag([4096], "context lengths in tokens, a row each"),
+    "budget": Flag(0.25, "hot budget of both caches: a fraction of context + new tokens, or slots per layer"),
+    "steps": Flag(16, f"steps per timed single-step mean (at most {TIER_SPAN}, the steps of the average)"),
+    "compile_scope": Flag("step", "compile the whole step (as the speed tables were taken) or one nested block "
+                                  "region per step (generate.py's default on CPU)"),
+}, check=check, extra_flags=lambda p: add_tier_flags(p, "the tiered policy's settings"))
