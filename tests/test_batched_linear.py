@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cache_testing import single_thread_fixture
+from numerics import assert_numerically_close
 from test_generate import TINY, tiny_model
 from torch._dynamo.testing import EagerAndRecordGraphs
 from torch._dynamo.utils import counters
@@ -71,9 +72,9 @@ def test_batched_rows_take_the_gemm_and_equal_the_product(mode, every_kernel):
             gemm = shape[1] == 1 and shape[0] >= ROWS
             if mode != "fp32" and gemm:  # activations and output rounded to bfloat16, as a bfloat16 model's
                 expected = F.linear(x.bfloat16().float(), dense)
-                torch.testing.assert_close(compiled(x), expected, rtol=2 ** -7, atol=1e-3)
+                assert_numerically_close(compiled(x), expected, depth=192, storage=torch.bfloat16, roundings=1)
             else:
-                torch.testing.assert_close(compiled(x), F.linear(x, dense), rtol=1e-5, atol=1e-4)
+                assert_numerically_close(compiled(x), F.linear(x, dense), depth=192)
             traced(x)
     # 4 rows and a verification's 6 tokens of one sequence: reductions; 5 and 16 one-token rows: the GEMM
     gemm = kernels.gemm_path(DTYPES[mode])
@@ -84,7 +85,8 @@ def test_batched_rows_take_the_gemm_and_equal_the_product(mode, every_kernel):
         with torch.inference_mode():
             x = torch.randn(ROWS, 1, 192)
             expected = F.linear(x if mode == "fp32" else x.bfloat16().float(), 2 * dense)
-            torch.testing.assert_close(compiled(x), expected, rtol=2 ** -7 if mode != "fp32" else 1e-5, atol=1e-3)
+            rounded = {} if mode == "fp32" else {"storage": torch.bfloat16, "roundings": 1}
+            assert_numerically_close(compiled(x), expected, depth=192, **rounded)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "int8"])
@@ -107,9 +109,10 @@ def test_the_cpu_kind_decides_each_projection_path(mode, cpu_kind):
             x = torch.randn(rows, tokens, 192)
             y = traced(x)
             if graphs.graphs and graph_path(graphs.graphs[-1], dtype) in BF16_PATHS:
-                torch.testing.assert_close(y, F.linear(x.bfloat16().float(), dense), rtol=2 ** -7, atol=1e-3)
+                assert_numerically_close(y, F.linear(x.bfloat16().float(), dense), depth=192, storage=torch.bfloat16,
+                                         roundings=1)
             else:
-                torch.testing.assert_close(y, F.linear(x, dense), rtol=1e-5, atol=1e-4)
+                assert_numerically_close(y, F.linear(x, dense), depth=192)
     assert [graph_path(g, dtype) for g in graphs.graphs] == expected
 
 
@@ -146,7 +149,9 @@ def test_batched_compiled_decode_packs_once_follows_eager_and_never_recompiles(m
     onednn = path.startswith("gemm-onednn")  # each weight packed once (int8: ATen's own layout)
     assert len(kernels._packed) == (len(matrices) if onednn else 0)
     if path not in BF16_PATHS:  # the same products in another order
-        torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
+        args = model.args  # depth: one layer's reductions (projections, attention over the sequence, FFN), each layer
+        depth = args.n_layers * (2 * args.dim + S + N + args.intermediate_size) + args.dim
+        assert_numerically_close(logits, eager_logits, depth=depth)
         assert torch.equal(tokens, eager_tokens)
     else:  # eager multiplies in fp32: the GEMM's bfloat16 rounding moves the logits by a bfloat16 model's error
         err = (logits[0] - eager_logits[0]).abs().max() / eager_logits[0].abs().max()
