@@ -1,8 +1,11 @@
 """KV-cache policies: the public entry point (registries, CLI flags, presets, the per-layer cache factory).
 
-The mechanics live in the `kv/` package: kv.slots (the slot cache every policy shares), kv.policies
-(decode-time eviction, one short class per paper), kv.prompt (prompt compressors and blockwise prompt
-statistics), kv.budgets (capacities and layer schedules).
+The mechanics live in the `kv/` package: kv.slots (the slot cache every policy shares), kv.scored (the base
+of score-based eviction), kv.policies (decode-time eviction, one short class per paper), kv.prompt (prompt
+compressors and blockwise prompt statistics), kv.params (hyper-parameters, declared once beside the class
+that uses them), kv.budgets (capacities and layer schedules). Here: the registry (CLI name -> class), and
+the flags, presets and validation derived from the classes' declarations. Adding a policy:
+docs/adding-a-policy.md.
 
 Two independent axes:
     --cache POLICY               what leaves the cache during decoding (one token in, one out per KV head)
@@ -10,8 +13,8 @@ Two independent axes:
                                  (default: the policy's partner, e.g. scissorhands + snapkv)
 plus --cache-budget (fraction of prompt + new tokens, or slots per layer), --layer-budget
 uniform|pyramid|funnel, --kv-bits 8|4 (quantized K/V storage, any policy) and each method's hyper-parameters
-(defaults from its paper). `--cache-config NAME` loads cache_configs/NAME.yaml; flags given on the command
-line override it. A flag the chosen policy and compressor do not use is an error.
+(defaults from its paper). `--cache-config NAME` loads cache_configs/NAME.yaml (optional presets); flags
+given on the command line override it. A flag the chosen policy and compressor do not use is an error.
 
 Use from code (generate.py, eval.py, bench.py):
 
@@ -63,27 +66,40 @@ from kv.budgets import (
     resolve_count,
 )
 from kv.expected import ExpectedAttentionCache, ExpectedAttentionPrompt
-from kv.fastgen import FastGenCache, token_classes
+from kv.fastgen import FastGenCache
 from kv.hybrid import HybridCache
 from kv.kvzip import KVzipCache, KVzipPrompt
-from kv.policies import FullCache, WindowCache
-from kv.pool import POOL_POLICIES, PoolCache
+from kv.params import Param, choice, flag_help, merge_params, number, whole
+from kv.pool import AdaKVCache
 from kv.quant import KV_BITS, KV_FLOATS, kv_float_dtype
 from kv.report import cache_report, format_cache_report, format_head_class_report, head_class_report
 from kv.slots import KVCache
 from kv.tiers import TIER_FLAGS, add_tier_args, check_tiers_for, resolve_tiers, tiered
 from model import KVFastError, ModelArgs
 
-# every policy and prompt compressor by CLI name (kv/ modules define them; query-agnostic scorers live apart)
-POLICIES: dict[str, type[KVCache]] = {**policies.POLICIES, KVzipCache.name: KVzipCache,
-                                      ExpectedAttentionCache.name: ExpectedAttentionCache, **POOL_POLICIES,
-                                      HybridCache.name: HybridCache, FastGenCache.name: FastGenCache}
+# ---- the registry: every policy by CLI name (its `name`), in --help order ----------------------------------
+POLICIES: dict[str, type[KVCache]] = {cls.name: cls for cls in (
+    policies.FullCache, policies.WindowCache, policies.RandomCache, policies.H2OCache,
+    policies.ScissorhandsCache, policies.SnapKVCache, policies.PyramidKVCache, policies.KNormCache,
+    policies.TOVACache, policies.EMACache, KVzipCache, ExpectedAttentionCache, AdaKVCache, HybridCache,
+    FastGenCache,
+    policies.KeyDiffCache,
+)}
+# the prompt compressors: kv.prompt's, those that need a model pass or values, and every query-agnostic
+# policy's own rule (kv.scored.ScoredCache.key_scores)
 PROMPT_COMPRESSORS: dict[str, type[prompt.PromptCompressor]] = {
     **prompt.PROMPT_COMPRESSORS, KVzipPrompt.name: KVzipPrompt,
-    ExpectedAttentionPrompt.name: ExpectedAttentionPrompt}
+    ExpectedAttentionPrompt.name: ExpectedAttentionPrompt,
+    **{cls.name: cls.prompt_compressor for cls in POLICIES.values()
+       if getattr(cls, "prompt_compressor", None)}}
+# every hyper-parameter, as its classes declare it, and who uses it with which default
+_DECLARED = merge_params([*POLICIES.values(), *PROMPT_COMPRESSORS.values()])
+PARAMS: dict[str, Param] = {name: p for name, (p, _) in _DECLARED.items()}
+GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
+           "kv_float", "kv_group_size", "capacity_buckets", "pos_shift", *TIER_FLAGS)
 
-__all__ = ["CONFIG_DIR", "POLICIES", "PROMPT_COMPRESSORS", "CacheFactory", "KVCache", "add_cache_args",
-           "cache_factory_from_args", "cache_report", "check_cache_args", "format_cache_report",
+__all__ = ["CONFIG_DIR", "PARAMS", "POLICIES", "PROMPT_COMPRESSORS", "CacheFactory", "KVCache",
+           "add_cache_args", "cache_factory_from_args", "cache_report", "check_cache_args", "format_cache_report",
            "format_head_class_report", "head_class_report",
            "load_preset", "make_cache_factory", "setup_decode_benchmark"]
 
@@ -91,120 +107,8 @@ CONFIG_DIR = Path(__file__).resolve().parent / "cache_configs"
 DEFAULT_PYRAMID_BETA = 20
 
 
-def _count(name: str, value: Any) -> float | int:
-    """A positive window/interval: a fraction (< 1) of the capacity or a whole number of tokens."""
-    value = _number(name, value)
-    if value <= 0:
-        raise KVFastError(f"--{_flag(name)} must be > 0, got {value:g}")
-    if value >= 1:
-        if value != int(value):
-            raise KVFastError(f"--{_flag(name)} of 1 or more is a number of tokens and must be whole, "
-                              f"got {value:g}")
-        return int(value)
-    return float(value)
-
-
-def _whole(minimum: int):
-    def check(name: str, value: Any) -> int:
-        value = _number(name, value)
-        if value != int(value) or value < minimum:
-            raise KVFastError(f"--{_flag(name)} must be a whole number >= {minimum}, got {value:g}")
-        return int(value)
-    return check
-
-
-def _choice(*options: str):
-    def check(name: str, value: Any) -> str:
-        if value not in options:
-            raise KVFastError(f"--{_flag(name)} must be one of {', '.join(options)}, got {value!r}")
-        return value
-    return check
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise KVFastError(f"{name} must be true or false, got {value!r}")
-    return value
-
-
-def _odd(name: str, value: Any) -> int:
-    value = _whole(1)(name, value)
-    if value % 2 == 0:
-        raise KVFastError(f"--{_flag(name)} must be odd (pooling keeps the length), got {value}")
-    return value
-
-
-def _fraction(name: str, value: Any) -> float:
-    value = _number(name, value)
-    if not 0 <= value <= 1:
-        raise KVFastError(f"--{_flag(name)} must lie in [0, 1], got {value:g}")
-    return float(value)
-
-
-def _nonnegative(name: str, value: Any) -> float:
-    value = _number(name, value)
-    if not 0 <= value < float("inf"):  # NaN fails too
-        raise KVFastError(f"--{_flag(name)} must be a finite number >= 0, got {value:g}")
-    return float(value)
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise KVFastError(f"--{_flag(name)} must be a number, got {value!r}")
-    return value
-
-
 def _flag(name: str) -> str:
     return name.replace("_", "-")
-
-
-# Method hyper-parameters: name -> (validator, --help). Defaults are the policy / compressor class's `params`.
-PARAMS: dict[str, tuple[Any, str]] = {
-    "n_sinks": (_whole(0), "first tokens always kept (attention sinks); window: 4, others: 0"),
-    "recent_window": (_count, ("most recent tokens always kept, the new one included; < 1 = fraction of the "
-                               "capacity (window: 2000, h2o: 0.5, scissorhands: 10)")),
-    "history_window": (_whole(1), "scissorhands: steps of attention history counted per token (400)"),
-    "drop_interval": (_count, ("scissorhands: re-rank the eviction queue every m steps; < 1 = fraction of "
-                               "the smallest layer capacity, at most what is evictable (0.5: the paper's "
-                               "m = 0.5 B)")),
-    "obs_window": (_whole(1), "snapkv/pyramidkv: last prompt queries that vote, always kept (32 / 8)"),
-    "pool_kernel": (_odd, "snapkv/pyramidkv: 1-D pooling kernel over the votes (7)"),
-    "pool": (_choice("max", "avg"), "snapkv/pyramidkv: pooling, max or avg (max)"),
-    "gqa_reduce": (_choice("mean", "max"), "reduce the scores of a KV head's query heads: mean|max (mean)"),
-    "ema_beta": (_fraction, "ema: utility u <- beta u + (1 - beta) x attention of the new query (0.9)"),
-    "h2o_normalize": (_bool, "h2o: divide accumulated attention by the number of queries that saw the token"),
-    "n_future_positions": (_whole(1), ("expected_attention: the next query positions over which the RoPE "
-                                       "rotation of the query statistics is averaged (512)")),
-    "epsilon": (_nonnegative, ("expected_attention: added to the expected attention before the ||v|| "
-                               "rescaling (0)")),
-    "refresh_interval": (_whole(1), ("expected_attention: every that many decode steps, rotate the "
-                                     "statistics to the current position and re-score every slot (64)")),
-    "kvzip_chunk": (_whole(1), "kvzip: context tokens the model repeats per reconstruction chunk (2048)"),
-    "kvzip_plus": (_bool, "kvzip: KVzip+ normalization (attention / ||hidden|| x ||W_o v||, as kvpress)"),
-    "kvzip_dtype": (_choice("float32", "bfloat16", "auto"),
-                    ("kvzip: precision of the reconstruction pass's products: float32, bfloat16, or auto (bf16 on "
-                     "a GPU or a CPU with AMX, else the model's) (float32)")),
-    "adakv_floor": (_fraction, ("adakv: Ada-KV's floor_alpha, the share of the average per-head budget every "
-                                "KV head keeps (0.2; 0 = pure top-k across heads)")),
-    "adakv_normalize": (_bool, ("adakv: scale each head's prompt scores by the share of its top-B' in its "
-                                "total (Ada-KV's normalize) before ranking across heads (on)")),
-    "static_threshold": (_fraction, ("hybrid: a KV head is static when the share of the observation "
-                                     "window's attention on its top-(B - w) tokens before the window reaches "
-                                     "this (0.9, HybridKV's theta, when given without a value); default: "
-                                     "--static-ratio")),
-    "static_ratio": (_fraction, ("hybrid: without --static-threshold, the share of each layer's KV heads "
-                                 "classified static, the most concentrated ones (0.7)")),
-    "static_share": (_fraction, ("hybrid: the share of the layer's pool given to its static heads (default: "
-                                 "their share of the heads, i.e. B slots per head)")),
-    "recovery": (_fraction, ("fastgen: each KV head keeps the cheapest profile (special < punctuation < heavy "
-                             "hitters < recent < full) holding this share of the window's attention (0.95)")),
-    "heavy_ratio": (_fraction, "fastgen: heavy hitters of the frequent profile, a share of the prompt (0.3)"),
-    "local_ratio": (_fraction, "fastgen: recent tokens of the local profile, a share of the prompt (0.3)"),
-}
-# flags that may be given without a value: the value they then take
-PARAM_CONSTS = {"static_threshold": 0.9}
-GLOBALS = ("cache", "prompt_compression", "cache_budget", "layer_budget", "pyramid_beta", "kv_bits",
-           "kv_float", "kv_group_size", "capacity_buckets", "pos_shift", *TIER_FLAGS)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
@@ -254,17 +158,10 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_param_flags(group: argparse._ArgumentGroup) -> None:
-    """A flag per method hyper-parameter (PARAMS), default None so that given flags can be told apart."""
-    for name, (check, text) in PARAMS.items():
-        if check is _bool:
-            group.add_argument(f"--{_flag(name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
-        elif name in ("pool", "gqa_reduce", "kvzip_dtype"):
-            group.add_argument(f"--{_flag(name)}", default=None, help=text)
-        elif name in PARAM_CONSTS:
-            group.add_argument(f"--{_flag(name)}", type=float, nargs="?", const=PARAM_CONSTS[name],
-                               default=None, help=text)
-        else:
-            group.add_argument(f"--{_flag(name)}", type=float, default=None, help=text)
+    """A flag per method hyper-parameter (PARAMS), default None so that given flags can be told apart; the
+    help lists every policy and compressor that uses it, with its default."""
+    for p, users in _DECLARED.values():
+        p.add_flag(group, flag_help(p, users))
 
 
 def available_presets() -> list[str]:
@@ -311,8 +208,9 @@ class CacheSpec:
     def from_args(cls, args: argparse.Namespace) -> CacheSpec:
         cli = {k: getattr(args, k) for k in (*GLOBALS, *PARAMS) if getattr(args, k, None) is not None}
         preset = load_preset(args.cache_config) if getattr(args, "cache_config", None) else {}
-        window = {**preset, **cli}.get("cache") == "window"
-        if window and "cache_budget" in cli and "recent_window" in preset and "recent_window" not in cli:
+        chosen = POLICIES.get({**preset, **cli}.get("cache", "full"))
+        fills = chosen is not None and chosen.window_fills_capacity
+        if fills and "cache_budget" in cli and "recent_window" in preset and "recent_window" not in cli:
             # a window's capacity is n_sinks + recent window: a budget from the command line replaces it;
             # other policies keep the preset's recent window inside the new budget
             del preset["recent_window"]
@@ -338,7 +236,7 @@ class CacheSpec:
         name = self.prompt_compression or policy.default_prompt_compressor
         compressor = PROMPT_COMPRESSORS[name] if name else None
         used = set(policy.params) | set(compressor.params if compressor else ())
-        if policy is FullCache:
+        if not policy.compresses:
             given = [k for k, v in (("prompt_compression", self.prompt_compression),
                                     ("cache_budget", self.budget), ("layer_budget", self.layer_budget))
                      if v is not None]
@@ -351,30 +249,28 @@ class CacheSpec:
                 where = "" if key in self.cli else " (set by the --cache-config preset)"
                 comp = f" / --prompt-compression {name}" if compressor else ""
                 raise KVFastError(f"--{_flag(key)}{where} is not used by --cache {self.policy}{comp}")
-        if "static_threshold" in self.params and "static_ratio" in self.params:
-            raise KVFastError("hybrid: give --static-threshold or --static-ratio, not both (the threshold "
-                              "classifies each head on its own, the ratio fixes how many are static)")
-        values = {**(compressor.params if compressor else {}), **policy.params}
-        values.update({k: PARAMS[k][0](k, v) for k, v in self.params.items()})
+        policy.check_params(self.params)
+        values = {**(compressor.params.defaults() if compressor else {}), **policy.params.defaults()}
+        values.update({k: PARAMS[k].validate(v) for k, v in self.params.items()})
         if self.budget is not None:
-            _number("cache_budget", self.budget)
+            number("cache_budget", self.budget)
         if self.layer_budget is not None:
-            _choice(*LAYER_SCHEDULES)("layer_budget", self.layer_budget)
+            choice(*LAYER_SCHEDULES)("layer_budget", self.layer_budget)
         if self.pyramid_beta is not None:
-            _whole(1)("pyramid_beta", self.pyramid_beta)
+            whole(1)("pyramid_beta", self.pyramid_beta)
         if self.kv_bits is not None and self.kv_bits not in (*KV_BITS, 16):
             raise KVFastError(f"--kv-bits must be {', '.join(map(str, KV_BITS))} or 16, got {self.kv_bits}")
         if self.kv_float is not None:
-            _choice(*KV_FLOATS)("kv_float", self.kv_float)
+            choice(*KV_FLOATS)("kv_float", self.kv_float)
             if self.kv_bits != 16:
                 raise KVFastError("--kv-float is only used with --kv-bits 16")
         if self.kv_group_size is not None:
             if self.kv_bits in (None, 16):
                 raise KVFastError("--kv-group-size is only used with --kv-bits 8 or 4")
-            _whole(1)("kv_group_size", self.kv_group_size)
+            whole(1)("kv_group_size", self.kv_group_size)
         if self.capacity_buckets is not None:
             parse_buckets(str(self.capacity_buckets))
-            if self.tiers or issubclass(policy, PoolCache):
+            if self.tiers or policy.shared_pool:
                 what = "the tiers' recall slots" if self.tiers else f"{self.policy}'s pool (H_kv x budget)"
                 raise KVFastError(f"--capacity-buckets cannot round up {what}: the slots are the budget")
         if self.tiers:
@@ -383,17 +279,22 @@ class CacheSpec:
             check_tiers_for(policy)
         if self.pos_shift and (self.tiers or not policy.supports_pos_shift):
             why = ("recalled pages have no rank among the hot tokens" if self.tiers and policy.supports_pos_shift
-                   else {"full": "it never evicts, so every rank is the position"}.get(
-                       self.policy, "its statistics or per-head budgets need each token's own position"))
+                   else "it never evicts, so every rank is the position" if not policy.compresses
+                   else "its statistics or per-head budgets need each token's own position")
             raise KVFastError(f"--pos-shift does not apply to --cache {self.policy}{' with tiers' * bool(self.tiers)}: {why}")
         return policy, compressor, values
 
     def schedule(self) -> str:
+        """--layer-budget, else the one the prompt compressor implies (pyramidkv), else the policy's."""
         if self.layer_budget is not None:
             return self.layer_budget
-        if "pyramidkv" in (self.policy, self.prompt_compression):
-            return "pyramid"
-        return POLICIES[self.policy].default_layer_budget if self.policy in POLICIES else "uniform"
+        policy = POLICIES.get(self.policy)
+        name = self.prompt_compression or getattr(policy, "default_prompt_compressor", None)
+        compressor = PROMPT_COMPRESSORS.get(name or "")
+        for cls in (compressor, policy):
+            if cls is not None and cls.default_layer_budget != "uniform":
+                return cls.default_layer_budget
+        return "uniform"
 
 
 def check_cache_args(args: argparse.Namespace) -> None:
@@ -463,11 +364,11 @@ class CacheFactory:
         self.capacity_buckets = spec.capacity_buckets
         buckets = parse_buckets(str(spec.capacity_buckets or "off"))
         room = partial(bucket_capacity, buckets=buckets, limit=model_args.max_seq_len)  # allocated slots
-        if self.cls is FullCache:
+        if not self.cls.compresses:
             self.prompt_capacities = [total] * n_layers
             self.capacities = [room(total)] * n_layers
         elif self.cls.evicts:
-            if self.cls is WindowCache:
+            if self.cls.window_fills_capacity:
                 if spec.budget is not None and "recent_window" in spec.cli and "cache_budget" in spec.cli:
                     raise KVFastError("window: give --cache-budget or --recent-window, not both "
                                       "(capacity = n_sinks + recent window)")
@@ -485,7 +386,7 @@ class CacheFactory:
             # to the budget), the rest is the method's budget, exact
             if spec.budget is not None and spec.budget > 1:
                 asked = int(spec.budget)
-            elif spec.budget is None and self.cls is WindowCache:
+            elif spec.budget is None and self.cls.window_fills_capacity:
                 asked = n_sinks + resolve_count(recent, total)
             else:  # a fraction: the sequence fits only at 1.0, which means exactly the sequence
                 asked = total
@@ -518,11 +419,12 @@ class CacheFactory:
         evicting = self.cls.evicts and total > cap
         if "recent_window" in values:
             window_rest = max(cap - n_sinks, 1 if not evicting else 0)  # window: all that is not a sink
-            values["recent_window"] = window_rest if self.cls is WindowCache else resolve_count(recent, cap)
+            fills = self.cls.window_fills_capacity
+            values["recent_window"] = window_rest if fills else resolve_count(recent, cap)
             recent = values["recent_window"]
         where = f" (layer {layer})" if len(set(self.capacities)) > 1 else ""
         compresses = self.compressor_cls is not None and self.prompt_len > prompt_cap
-        if issubclass(self.cls, PoolCache) and (evicting or compresses):
+        if self.cls.shared_pool and (evicting or compresses):
             self._check_pool(cap, n_sinks, recent, window if compresses else 0, where)
         if evicting and (cap < n_sinks + recent or recent < 1):
             raise KVFastError(f"--cache-budget gives {cap} slots{where}, fewer than {self.policy} needs: "
@@ -581,8 +483,8 @@ class CacheFactory:
                     compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
                     kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
                     kv_dtype=self.kv_dtype, model_args=a, pos_shift=self.pos_shift, **tiers, **self.layer_values[layer])
-        if isinstance(cache, FastGenCache) and self.tokenizer is not None:
-            cache.bind(token_classes(self.tokenizer, a.vocab_size))  # one table (cached) for every layer
+        if self.tokenizer is not None:
+            cache.bind(self.tokenizer)
         return cache
 
     def describe(self) -> str:
@@ -595,7 +497,7 @@ class CacheFactory:
         quant = (f"; K/V stored as {self.kv_bits}-bit codes, fp32 scale + zero point per {self.kv_group_size} "
                  "channels" if self.kv_bits else f"; K/V stored as {str(self.kv_dtype)[6:]}" if self.kv_dtype else "")
         pool = (f"; slots per KV head on average, one pool of {self.model_args.n_kv_heads} x that per layer "
-                "shared by the KV heads" if issubclass(self.cls, PoolCache) else "")
+                "shared by the KV heads" if self.cls.shared_pool else "")
         t = self.tiers
         tiers = (f"; tiers: {t.recall_slots} of the slots hold recalled pages (recall every {t.recall_interval} "
                  f"positions, up to {t.recall_installs} new pages each), warm store {t.warm_pages} pages x {t.page_size} tokens at {t.warm_bits} bits per "

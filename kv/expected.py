@@ -16,13 +16,14 @@ with R(p)^T = R(-p); no D x D matrix and no max_seq_len table is ever built.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from kv.params import N_SINKS, RECENT_WINDOW, Param, nonnegative, whole
 from kv.prompt import PromptCompressor, memoized
-from kv.slots import INF, KVCache, gather_tokens
+from kv.scored import ScoredCache
+from kv.slots import INF
 from model import KVFastError, ModelArgs, rope_frequencies
 
 N_SINK = 4  # kvpress's n_sink: the first queries are outliers for the statistics, the first keys always kept
@@ -117,7 +118,10 @@ class ExpectedAttentionPrompt(PromptCompressor):
     within a row is the same, and a row's scores do not depend on the other rows of the batch)."""
 
     name = "expected_attention"
-    params: ClassVar[dict[str, Any]] = {"n_future_positions": 512, "epsilon": 0.0}
+    params = (Param("n_future_positions", 512, "the next query positions over which the RoPE "
+                    "rotation of the query statistics is averaged", check=whole(1)),
+              Param("epsilon", 0.0, "added to the expected attention before the ||v|| "
+                    "rescaling", check=nonnegative))
     uses_values = True
 
     def scores(self, q: Tensor, k: Tensor, memo: dict | None = None, v: Tensor | None = None) -> Tensor:
@@ -132,7 +136,7 @@ class ExpectedAttentionPrompt(PromptCompressor):
         return torch.cat([sinks, scores], dim=-1)
 
 
-class ExpectedAttentionCache(KVCache):
+class ExpectedAttentionCache(ScoredCache):
     """Expected Attention (Devoto, Jeblick, Jégou, arXiv:2510.00636) while decoding: evict the slot with the
     lowest (softmax over the non-sink slots of z, mean over the group, + epsilon) * ||v||.
 
@@ -152,12 +156,15 @@ class ExpectedAttentionCache(KVCache):
     D x D matrices per query head beside the per-slot z and ||v||."""
 
     name = "expected_attention"
-    params: ClassVar[dict[str, Any]] = {"n_sinks": 4, "recent_window": 8, "n_future_positions": 512,
-                                        "epsilon": 0.0, "refresh_interval": 64}
+    params = (N_SINKS(4), RECENT_WINDOW(8), *ExpectedAttentionPrompt.params.values(),
+              Param("refresh_interval", 64, "every that many decode steps, rotate the "
+                    "statistics to the current position and re-score every slot", check=whole(1)))
     default_prompt_compressor = "expected_attention"
     supports_pos_shift = False  # its scores rotate the query statistics to absolute positions
+    statistic, per_query_head = "log_attn", True  # z of each slot's key, per query head
 
     def init_state(self) -> None:
+        super().init_state()
         B, H, g, C, D = self.batch_size, self.n_kv_heads, self.n_groups, self.capacity, self.head_dim
         inv_freq = inverse_frequencies(self.model_args, "the expected_attention cache")
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)
@@ -166,7 +173,6 @@ class ExpectedAttentionCache(KVCache):
             self.add_state(name, (B, H, g, D))
         for name in ("query_cov", "cov_rotated"):
             self.add_state(name, (B, H, g, D, D))
-        self.add_state("log_attn", (B, H, g, C))
         # written with V itself (write_slots), so reset() need not clear it: empty slots are never scored
         self.register_buffer("v_norm", torch.zeros(B, H, C, device=self.device), persistent=False)
 
@@ -195,10 +201,8 @@ class ExpectedAttentionCache(KVCache):
     def after_load(self) -> None:
         self.rotate_statistics(self.seen)  # to the batch's clock, which the rows' keys were moved to
 
-    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
-        B, H, g, _ = self.log_attn.shape
-        z = log_expected_attention(k, self.mean_rotated, self.cov_rotated)  # [B, H_kv, g, 1]
-        self.log_attn.scatter_(3, slot.view(B, H, 1, 1).expand(B, H, g, 1), z)
+    def token_statistic(self, k: Tensor) -> Tensor:
+        return log_expected_attention(k, self.mean_rotated, self.cov_rotated)  # [B, H_kv, g, 1]
 
     def refresh(self) -> None:
         self.rotate_statistics(self.seen)
@@ -206,14 +210,14 @@ class ExpectedAttentionCache(KVCache):
         self.log_attn.copy_(log_expected_attention(keys, self.mean_rotated, self.cov_rotated))
 
     def prefill_state(self, q: Tensor, k: Tensor, keep: Tensor | None, memo: dict) -> None:
-        S = k.shape[2]
-        n = min(S, self.prompt_capacity)
         mean, cov = query_moments(q, self.n_kv_heads, self.inv_freq, memo)
         self.query_mean.copy_(mean)
         self.query_cov.copy_(cov)
-        self.rotate_statistics(S)
-        z = prompt_log_attention(q, k, self.inv_freq, self.n_future_positions, memo)
-        self.log_attn[..., :n] = gather_tokens(z, keep, n)
+        self.rotate_statistics(k.shape[2])
+        super().prefill_state(q, k, keep, memo)
+
+    def prompt_statistic(self, q: Tensor, k: Tensor, memo: dict) -> Tensor:
+        return prompt_log_attention(q, k, self.inv_freq, self.n_future_positions, memo)
 
     def synthetic_state(self, generator: torch.Generator | None) -> None:
         D = self.head_dim

@@ -41,12 +41,14 @@ from __future__ import annotations
 import functools
 import string
 import unicodedata
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from kv.hybrid import PROTECTED, HybridCache
+from kv.params import GQA_REDUCE, N_SINKS, RECENT_WINDOW, Param, fraction
+from kv.prompt import OBS_WINDOW
 
 PROFILES = ("special", "punct", "frequent", "local", "full")
 SPECIAL, PUNCT, FREQUENT, LOCAL, FULL = range(len(PROFILES))
@@ -134,8 +136,14 @@ class FastGenCache(HybridCache):
     name = "fastgen"
     needs_attention = True
     supports_tiers = False
-    params: ClassVar[dict[str, Any]] = {"n_sinks": 4, "recent_window": 32, "obs_window": 32, "gqa_reduce": "mean",
-                                        "recovery": 0.95, "heavy_ratio": 0.3, "local_ratio": 0.3}
+    params = (N_SINKS(4), RECENT_WINDOW(32), OBS_WINDOW, GQA_REDUCE,
+              Param("recovery", 0.95, "each KV head keeps the cheapest profile (special < punctuation < "
+                    "heavy hitters < recent < full) holding this share of the window's attention",
+                    check=fraction),
+              Param("heavy_ratio", 0.3, "heavy hitters of the frequent profile, a share of the prompt",
+                    check=fraction),
+              Param("local_ratio", 0.3, "recent tokens of the local profile, a share of the prompt",
+                    check=fraction))
     default_prompt_compressor = "snapkv"
     head_kinds = PROFILES
     head_letters = "SPHLF"  # special, punct, heavy hitters (frequent), local, full
@@ -155,7 +163,11 @@ class FastGenCache(HybridCache):
     def head_floor(self) -> int:
         return min(self.n_sinks + 1, self.policy_capacity)
 
-    def bind(self, classes: Tensor) -> None:
+    def bind(self, tokenizer: Any) -> None:
+        vocab_size = self.model_args.vocab_size if self.model_args is not None else tokenizer.vocab_size
+        self.bind_classes(token_classes(tokenizer, vocab_size))  # one table (cached) for every layer
+
+    def bind_classes(self, classes: Tensor) -> None:
         self.token_class_table = classes.to(self.device)
 
     def see_tokens(self, idx: Tensor) -> None:

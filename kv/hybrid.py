@@ -52,9 +52,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from kv.params import GQA_REDUCE, N_SINKS, RECENT_WINDOW, Param, fraction
 from kv.pool import PoolCache
-from kv.prompt import window_votes
+from kv.prompt import OBS_WINDOW, window_votes
+from kv.scored import ScoredCache
 from kv.slots import INF, reduce_groups
+from model import KVFastError
 
 PROTECTED = torch.finfo(torch.float32).max  # below +inf: a head's own protected slot beats another head's
 
@@ -99,22 +102,35 @@ def hybrid_budgets(static: Tensor, capacity: int, floor: int, share: float | Non
     return total // count + (rank < total % count).long()
 
 
-class HybridCache(PoolCache):
+class HybridCache(PoolCache, ScoredCache):
     """HybridKV (Zeng et al., arXiv:2604.05887): static heads keep heavy hitters, dynamic a recent window."""
 
     name = "hybrid"
     needs_attention = True
     supports_tiers = True  # each head evicts one of its own slots per step
-    params: ClassVar[dict[str, Any]] = {"n_sinks": 4, "recent_window": 32, "obs_window": 32,
-                                        "gqa_reduce": "mean", "static_threshold": None, "static_ratio": 0.7,
-                                        "static_share": None}
+    params = (N_SINKS(4), RECENT_WINDOW(32), OBS_WINDOW, GQA_REDUCE,
+              Param("static_threshold", None, "a KV head is static when the share of the observation "
+                    "window's attention on its top-(B - w) tokens before the window reaches this (0.9, "
+                    "HybridKV's theta, when given without a value); unset: --static-ratio", check=fraction,
+                    const=0.9),
+              Param("static_ratio", 0.7, "without --static-threshold, the share of each layer's KV heads "
+                    "classified static, the most concentrated ones", check=fraction),
+              Param("static_share", None, "the share of the layer's pool given to its static heads (unset: "
+                    "their share of the heads, i.e. B slots per head)", check=fraction))
     default_prompt_compressor = "snapkv"
+    statistic = "score"  # static heads' accumulated attention
     head_kinds: ClassVar[tuple[str, ...]] = ("static", "dynamic")  # what head_classes' "kind" indexes
     head_letters = "SD"  # one per kind, for the report's by-head strings
 
+    @classmethod
+    def check_params(cls, given: dict[str, Any]) -> None:
+        if "static_threshold" in given and "static_ratio" in given:
+            raise KVFastError("hybrid: give --static-threshold or --static-ratio, not both (the threshold "
+                              "classifies each head on its own, the ratio fixes how many are static)")
+
     def init_state(self) -> None:
+        super().init_state()
         B, H = self.batch_size, self.n_kv_heads
-        self.add_state("score", (B, self.pool_size))
         self.add_state("static", (B, H), torch.bool)
         self.add_state("budget", (B, H), torch.long, fill=self.policy_capacity)
         self.add_state("concentration", (B, H), torch.float64)
@@ -185,15 +201,12 @@ class HybridCache(PoolCache):
         """Static heads' slots: accumulated attention; dynamic heads': the position (oldest out first)."""
         return torch.where(self.static.gather(1, self.slot_head), self.score, self.slot_pos.float())
 
-    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
-        self.score.scatter_(1, slot, 0.0)
-
     def observe(self, probs: Tensor) -> None:
         # a slot's attention is nonzero only in its own KV head's row: the sum over heads picks it out
         self.score.add_(reduce_groups(probs[:, :, :, 0], self.gqa_reduce).sum(1))
 
     def synthetic_state(self, generator: torch.Generator | None) -> None:
-        self.score.copy_(torch.rand(self.score.shape, generator=generator))
+        super().synthetic_state(generator)
         self.static.copy_(torch.rand(self.static.shape, generator=generator) < self.static_ratio)
 
     # ---- reporting (read once at the end) ----------------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from kv.params import Param, boolean, choice, whole
 from kv.pool import AdaKVCache
 from kv.prompt import PREFILL_BLOCK_ELEMENTS, PromptCompressor
 from model import KVFastError, Transformer
@@ -73,7 +74,13 @@ class KVzipPrompt(PromptCompressor):
     context. The scores come from a reconstruction pass of the whole model (kv.kvzip.prefill)."""
 
     name = "kvzip"
-    params: ClassVar[dict[str, Any]] = {"kvzip_chunk": 2048, "kvzip_plus": False, "kvzip_dtype": "float32"}
+    params = (Param("kvzip_chunk", 2048, "context tokens the model repeats per reconstruction chunk",
+                    check=whole(1)),
+              Param("kvzip_plus", False, "KVzip+ normalization (attention / ||hidden|| x ||W_o v||, as "
+                    "kvpress)", check=boolean),
+              Param("kvzip_dtype", "float32", "precision of the reconstruction pass's products: float32, "
+                    "bfloat16, or auto (bf16 on a GPU or a CPU with AMX, else the model's)",
+                    check=choice("float32", "bfloat16", "auto")))
     needs_model_pass: ClassVar[bool] = True
     repeat_prompt: RepeatPrompt | None = None  # set by bind(); without a tokenizer chunks repeat bare
 
@@ -106,8 +113,7 @@ class KVzipCache(AdaKVCache):
     budget per head: --cache snapkv --prompt-compression kvzip (append-only, uniform layout)."""
 
     name = "kvzip"
-    params: ClassVar[dict[str, Any]] = {**AdaKVCache.params, "n_sinks": 4, "adakv_floor": 0.0,
-                                        "adakv_normalize": False}
+    params = AdaKVCache.params.with_defaults(n_sinks=4, adakv_floor=0.0, adakv_normalize=False)
     default_prompt_compressor = "kvzip"
 
 
@@ -137,7 +143,7 @@ def record_prefill(model: Transformer, idx: Tensor) -> tuple[list[tuple[Tensor, 
 def dense_weight(module: nn.Module) -> Tensor:
     """A linear layer's weight as floats, whether plain or quantized by quantize.py."""
     if hasattr(module, "offsets"):
-        from quantize import dequantize_int4
+        from kernels import dequantize_int4
 
         return dequantize_int4(module.weight, module.scales, module.offsets)
     if hasattr(module, "scales"):

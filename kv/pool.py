@@ -15,8 +15,10 @@ while decoding and nothing is reallocated. Attention (model.attend_pool) reads t
 slot_head == h. Prefill: when the prompt exceeds B tokens per head the policy's `select_pairs` picks exactly P
 (KV head, token) pairs across heads; they are written head by head in position order.
 
-A policy on the pool defines select_pairs, slot_scores and the statistics hooks (on_insert, observe,
-prefill_state), like a uniform policy does (kv.slots).
+A policy on the pool is also a kv.scored.ScoredCache: it defines select_pairs, slot_scores ([B, P], comparable
+across heads) and its statistic (one per slot, [B, P]: ScoredCache clears a new token's), observe (probs
+[B, H_kv, g, 1, P], 0 outside each head's own slots) and prefill_state(q, k, prior, memo), prior [B, P] being
+select_pairs' scores of the kept pairs (None when the prompt fitted).
 
 Tiers (kv.tiers) on the pool: the last H_kv x R slots are the recall slots, R per KV head in head order and owned
 by it for good; the policy manages the first H_kv x (B - R) (`policy_pool`). Tiers stage one victim per KV head
@@ -26,11 +28,11 @@ victims move between heads.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
 import torch
 from torch import Tensor
 
+from kv.params import GQA_REDUCE, N_SINKS, RECENT_WINDOW, Param, boolean, fraction
+from kv.scored import ScoredCache
 from kv.slots import INF, KVCache, put_rows, reduce_groups
 
 TIER = float(2**24)  # choose_slot's gap between eviction tiers
@@ -39,6 +41,7 @@ TIER = float(2**24)  # choose_slot's gap between eviction tiers
 class PoolCache(KVCache):
     """The pool mechanics shared by per-head-budget policies (a layout, no paper: see the module doc)."""
 
+    shared_pool = True
     supports_pos_shift = False  # heads hold different counts, so a query would need a rank per KV head: not built
     supports_tiers = False  # a step's H_kv victims may belong to any heads; tiers stage one per head (hybrid does)
     channel_blocks = None  # attend_pool_one_query reads the pool whole
@@ -187,16 +190,6 @@ class PoolCache(KVCache):
         order = (cand_key + at_floor.float() * TIER).flatten(1).topk(H, dim=-1, largest=False).indices
         return cand.flatten(1).gather(1, order)
 
-    def slot_scores(self, input_pos: Tensor) -> Tensor:
-        """[B, P] float, low = evicted first; comparable across heads."""
-        raise NotImplementedError
-
-    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
-        """Reset the statistics of the slots just overwritten (slot [B, H_kv]: KV head h's new key)."""
-
-    def observe(self, probs: Tensor) -> None:
-        """probs: [B, H_kv, g, 1, P] attention of the new query heads over the pool (0 outside own slots)."""
-
     # ---- where kv.tiers finds things in the pool (see KVCache's versions) ---------------------------------
     def holds(self, S: int) -> Tensor:
         B, H = self.batch_size, self.n_kv_heads
@@ -279,7 +272,7 @@ def adakv_budgets(scores: Tensor, base: int, alpha: float, normalize: bool) -> t
     return (whole + (rank < short)).long(), factor
 
 
-class AdaKVCache(PoolCache):
+class AdaKVCache(PoolCache, ScoredCache):
     """Ada-KV (Feng et al., arXiv:2407.11550): per layer the top H_kv x B pairs across KV heads, a floor each.
 
     Prompt: the sinks and the last max(window, recent_window - 1) tokens of every head are kept; the other
@@ -301,12 +294,14 @@ class AdaKVCache(PoolCache):
 
     name = "adakv"
     needs_attention = True
-    params: ClassVar[dict[str, Any]] = {"n_sinks": 0, "recent_window": 32, "adakv_floor": 0.2,
-                                        "adakv_normalize": True, "gqa_reduce": "mean"}
+    params = (N_SINKS, RECENT_WINDOW(32),
+              Param("adakv_floor", 0.2, "Ada-KV's floor_alpha, the share of the average per-head budget "
+                    "every KV head keeps (0 = pure top-k across heads)", check=fraction),
+              Param("adakv_normalize", True, "scale each head's prompt scores by the share of its top-B' in "
+                    "its total (Ada-KV's normalize) before ranking across heads", check=boolean),
+              GQA_REDUCE)
     default_prompt_compressor = "snapkv"
-
-    def init_state(self) -> None:
-        self.add_state("score", (self.batch_size, self.pool_size))
+    statistic = "score"  # prior + attention paid since
 
     @property
     def base_capacity(self) -> int:
@@ -341,9 +336,6 @@ class AdaKVCache(PoolCache):
     def slot_scores(self, input_pos: Tensor) -> Tensor:
         return self.score
 
-    def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
-        self.score.scatter_(1, slot, 0.0)
-
     def observe(self, probs: Tensor) -> None:
         # a slot's attention is nonzero only in its own KV head's row: the sum over heads picks it out
         self.score.add_(reduce_groups(probs[:, :, :, 0], self.gqa_reduce).sum(1))
@@ -351,9 +343,6 @@ class AdaKVCache(PoolCache):
     def prefill_state(self, q: Tensor, k: Tensor, prior: Tensor | None, memo: dict) -> None:
         if prior is not None:
             self.score.copy_(prior.float())
-
-    def synthetic_state(self, generator: torch.Generator | None) -> None:
-        self.score.copy_(torch.rand(self.score.shape, generator=generator))
 
 
 POOL_POLICIES: dict[str, type[KVCache]] = {AdaKVCache.name: AdaKVCache}

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kv.params import GQA_REDUCE, Configurable, Param, boolean, choice, odd, whole
 from kv.slots import INF, counter_hash, reduce_groups, row_head_salt
-from model import KVFastError, ModelArgs
+from model import ModelArgs
 
 PREFILL_BLOCK_ELEMENTS = 1 << 22  # attention probabilities held at once by the blockwise statistics
 
@@ -128,20 +129,16 @@ def key_norm_rank(norm: Tensor, pos: Tensor) -> Tensor:
 
 
 # ---- compressors ----------------------------------------------------------------------------------------
-class PromptCompressor:
+class PromptCompressor(Configurable):
     """Picks the prompt tokens each KV head keeps. Subclasses define `scores` (higher = kept) and `params`."""
 
-    name: ClassVar[str] = ""
-    params: ClassVar[dict[str, Any]] = {}
+    kind = "prompt compressor"
     window_param: ClassVar[str | None] = None  # the parameter naming a window of last tokens always kept
     uses_values: ClassVar[bool] = False  # True: scores(q, k, memo, v) also gets the values (only then)
+    default_layer_budget: ClassVar[str] = "uniform"  # the layer schedule it implies (pyramidkv: pyramid)
 
     def __init__(self, layer: int = 0, model_args: ModelArgs | None = None, **params: Any):
-        unknown = set(params) - set(self.params)
-        if unknown:
-            raise KVFastError(f"prompt compressor {self.name!r} does not use {sorted(unknown)}")
-        for key, default in self.params.items():
-            setattr(self, key, params.get(key, default))
+        self.set_params(params)
         self.layer = layer
         self.model_args = model_args  # RoPE and shapes, for compressors that need them (None in unit tests)
 
@@ -196,12 +193,20 @@ class RandomPrompt(PromptCompressor):
         return counter_hash(torch.arange(S, device=k.device), S, salt).double()
 
 
+OBS_WINDOW = Param("obs_window", 32, "SnapKV's observation window: the last prompt queries that vote, "
+                   "always kept", check=whole(1))
+POOL_KERNEL = Param("pool_kernel", 7, "1-D pooling kernel over SnapKV's votes", check=odd)
+POOL = Param("pool", "max", "pooling of SnapKV's votes: max or avg", check=choice("max", "avg"))
+H2O_NORMALIZE = Param("h2o_normalize", False, "divide accumulated attention by the number of queries that "
+                      "saw the token", check=boolean)
+
+
 class H2OPrompt(PromptCompressor):
     """H2O at prefill (KVCache-Factory's H2OKVCluster): accumulated attention of all prompt queries, computed
     in query blocks; with h2o_normalize divided by the number of queries that saw each token (S - i)."""
 
     name = "h2o"
-    params: ClassVar[dict[str, Any]] = {"h2o_normalize": False, "gqa_reduce": "mean"}
+    params = (H2O_NORMALIZE, GQA_REDUCE)
 
     def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
         sums = reduce_groups(column_sums(q, k, memo), self.gqa_reduce)
@@ -219,8 +224,7 @@ class SnapKVPrompt(PromptCompressor):
     """
 
     name = "snapkv"
-    params: ClassVar[dict[str, Any]] = {
-        "obs_window": 32, "pool_kernel": 7, "pool": "max", "gqa_reduce": "mean"}
+    params = (OBS_WINDOW, POOL_KERNEL, POOL, GQA_REDUCE)
     window_param = "obs_window"
 
     def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
@@ -239,8 +243,8 @@ class PyramidKVPrompt(SnapKVPrompt):
     pyramid, beta 20). Defaults from its reference run_longbench.py: w = 8, kernel 7, max pooling."""
 
     name = "pyramidkv"
-    params: ClassVar[dict[str, Any]] = {
-        "obs_window": 8, "pool_kernel": 7, "pool": "max", "gqa_reduce": "mean"}
+    params = SnapKVPrompt.params.with_defaults(obs_window=8)
+    default_layer_budget = "pyramid"
 
 
 class KNormPrompt(PromptCompressor):

@@ -23,7 +23,7 @@ holds each token's rank among the cached tokens (kept incrementally: an eviction
 token by one), and keys_values / rotate_query apply RoPE at those ranks, so the positions attention sees never
 exceed the capacity and decoding can run past the model's max_seq_len.
 
-Hooks a policy may override (each a few lines):
+Hooks a policy may override (kv.scored.ScoredCache implements the statistics ones for score-based policies):
     init_state()                 register its statistics with add_state()
     slot_scores(input_pos)       [B, H_kv, C] float, low = evicted first
     on_insert(slot, k, pos)      reset/seed the statistics of the slots just overwritten
@@ -40,8 +40,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from kernels import Codes
+from kv.params import Configurable
 from kv.quant import dequantize_halves, dequantize_tokens, halves_share_groups, quantize_tokens, storage_width
-from model import Codes, KVFastError, ModelArgs, apply_rope, rope_at
+from model import KVFastError, ModelArgs, apply_rope, rope_at
 
 INF = float("inf")
 
@@ -109,18 +111,22 @@ def put_rows(buffer: Tensor, slot: Tensor, value: Tensor) -> None:
 
 
 
-class KVCache(nn.Module):
-    """Shared slot mechanics. Subclasses set `name`, `params` and `slot_scores`, and the hooks they need."""
+class KVCache(Configurable, nn.Module):
+    """Shared slot mechanics. Subclasses set `name`, `params` (kv.params) and `slot_scores`, and the hooks
+    they need."""
 
-    name: ClassVar[str] = ""
     # explicit attention probabilities are computed (and observe() called) only when True
     needs_attention: ClassVar[bool] = False
     # False: append-only (full, snapkv, pyramidkv): the prompt is compressed to leave a slot per new token
     evicts: ClassVar[bool] = True
+    # False: keeps every token (full): no budget, prompt compressor or layer schedule applies
+    compresses: ClassVar[bool] = True
+    # True: the capacity is n_sinks + recent_window, the window being all that is not a sink (window)
+    window_fills_capacity: ClassVar[bool] = False
+    # True: one pool of slots per layer shared by the KV heads, H_kv x the budget (kv.pool)
+    shared_pool: ClassVar[bool] = False
     # True when the kept positions never depend on the content (full, window)
     position_only: ClassVar[bool] = False
-    # CLI parameters this policy uses, with their defaults (the paper's values)
-    params: ClassVar[dict[str, Any]] = {}
     default_prompt_compressor: ClassVar[str | None] = None
     default_layer_budget: ClassVar[str] = "uniform"
     # protection, overridden by params where a policy exposes them
@@ -139,11 +145,7 @@ class KVCache(nn.Module):
                  kv_bits: int | None = None, kv_group_size: int | None = None, kv_dtype: torch.dtype | None = None,
                  model_args: ModelArgs | None = None, pos_shift: bool = False, **params: Any):
         super().__init__()
-        unknown = set(params) - set(self.params)
-        if unknown:
-            raise KVFastError(f"cache policy {self.name!r} does not use {sorted(unknown)}")
-        for key, default in self.params.items():
-            setattr(self, key, params.get(key, default))
+        self.set_params(params)
         self.batch_size, self.n_kv_heads, self.head_dim = batch_size, n_kv_heads, head_dim
         self.n_groups = n_groups
         self.capacity = capacity
@@ -166,6 +168,13 @@ class KVCache(nn.Module):
         self.register_buffer("seen", torch.zeros(1, dtype=torch.long, device=device), persistent=False)
         self._state_fill: dict[str, float | int] = {}
         self.init_state()
+
+    @classmethod
+    def check_params(cls, given: dict[str, Any]) -> None:
+        """Reject a combination of given parameters that cannot go together (each is checked on its own)."""
+
+    def bind(self, tokenizer: Any) -> None:
+        """Called by the cache factory with the model's tokenizer (for policies that read token classes)."""
 
     # ---- K/V storage ---------------------------------------------------------------------------------
     def allocate(self, slots: tuple[int, ...]) -> None:

@@ -88,7 +88,7 @@ def used_params(policy: str, prompt_compression: str | None = None) -> set[str]:
 def small_params(policy: str, prompt_compression: str | None = None, **override) -> dict:
     """SMALL restricted to what the policy and its compressor use (window: capacity from the budget)."""
     used = used_params(policy, prompt_compression)
-    if policy == "window":
+    if POLICIES[policy].window_fills_capacity:
         used.discard("recent_window")
     params = {k: v for k, v in SMALL.items() if k in used}
     params.update(override)

@@ -69,10 +69,22 @@ def test_every_preset_runs(preset, tiny_checkpoint, capsys):
     assert f"cache: {preset}" in out and "compression ratio" in out
 
 
-def test_a_preset_per_policy():
-    assert set(kvcache.available_presets()) == set(kvcache.POLICIES)
-    for name in kvcache.available_presets():
-        assert kvcache.load_preset(name)["cache"] == name
+@pytest.mark.parametrize("preset", kvcache.available_presets())
+def test_every_preset_loads_and_names_only_known_parameters(preset):
+    """Presets are optional (a policy's defaults are declared in its class): each one there names a registered
+    policy and only parameters that the policy or its prompt compressor declares."""
+    values = kvcache.load_preset(preset)
+    assert values["cache"] in kvcache.POLICIES
+    assert set(values) <= set(kvcache.PARAMS) | set(kvcache.GLOBALS)
+    resolved = kvcache.CacheSpec.from_args(namespace(cache_config=preset)).resolve()[2]
+    given = {k: v for k, v in values.items() if k in kvcache.PARAMS}
+    assert {k: resolved[k] for k in given} == given
+
+
+def test_a_policy_without_a_preset_runs(tiny_checkpoint, capsys):
+    code, out, err = run(capsys, tiny_checkpoint, "--cache", "keydiff", "--cache-budget", "0.5")
+    assert code == 0, err
+    assert "cache: keydiff + keydiff prompt compression" in out and "compression ratio" in out
 
 
 def test_flags_override_the_preset_and_the_report_adds_up(tiny_checkpoint, capsys):

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from cache import POLICIES, PROMPT_COMPRESSORS, make_cache_factory
 from generate import Decoder, prefill
+from kernels import attend
 from kv.policies import FullCache
 from kv.pool import PoolCache
-from model import attend
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 SETTINGS = settings(max_examples=60, deadline=None,
@@ -36,7 +36,7 @@ def configs(draw, policy: str):
     p = {}
     if "n_sinks" in used:
         p["n_sinks"] = draw(st.integers(0, 3))
-    if "recent_window" in used and policy != "window":
+    if "recent_window" in used and not cls.window_fills_capacity:
         p["recent_window"] = draw(st.integers(1, 6))
     if "history_window" in used:
         p["history_window"] = draw(st.integers(1, 12))
@@ -140,7 +140,7 @@ def test_no_compression_equals_full_exactly(policy, n_kv, g, prompt_len, steps, 
     B, total = 2, prompt_len + steps
     tokens = torch.randint(0, 64, (B, total + 1), generator=torch.Generator().manual_seed(seed))
     params = {"n_sinks": n_sinks} if "n_sinks" in POLICIES[policy].params else {}
-    if "recent_window" in POLICIES[policy].params and policy != "window":
+    if "recent_window" in POLICIES[policy].params and not POLICIES[policy].window_fills_capacity:
         params["recent_window"] = 1
     budget = None if policy == "full" else 10 * total  # clamped to the sequence: nothing is ever evicted
 

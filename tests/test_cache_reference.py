@@ -12,8 +12,8 @@ from cache_testing import single_thread_fixture, tiny_args
 
 import kv.prompt as prompt_stats
 from cache import PROMPT_COMPRESSORS, make_cache_factory
+from kernels import attend
 from kv.budgets import layer_capacities
-from model import attend
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 B, H_KV, G, D = 2, 2, 2, 8

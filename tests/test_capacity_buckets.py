@@ -10,6 +10,7 @@ import torch
 from cache_testing import generate_tokens, single_thread_fixture, tiny_model
 from torch._dynamo.utils import counters
 
+import decode
 import generate
 from cache import make_cache_factory
 from kv.budgets import DYNAMIC_CAPACITY_CONFIG, bucket_capacity, parse_buckets
@@ -23,7 +24,7 @@ N_NEW = 12
 def fresh_dynamo():
     torch._dynamo.reset()
     with torch._dynamo.config.patch(**{k: not v for k, v in DYNAMIC_CAPACITY_CONFIG.items()}):
-        yield  # a dynamic-capacity Decoder changes dynamo's process-wide config: restored here
+        yield  # configure_torch(dynamic_capacity=True) changes dynamo's process-wide config: restored here
     torch._dynamo.reset()
 
 
@@ -119,6 +120,7 @@ def test_dynamic_capacity_compiles_once_for_every_prompt_length(policy, budget, 
     the compiled tokens equal eager decoding at lengths the graph was not compiled for."""
     model = tiny_model()
     counters.clear()
+    decode.configure_torch(compile=True, dynamic_capacity=True)
     decoder = generate.Decoder(model, compile=True, scope=scope, dynamic_capacity=True)
     functions = 1  # the step (block scope too); scissorhands' refresh runs eagerly (compile_refresh)
     lengths = [100, 115, 130, 150, 170, 190, 210, 230, 260, 300]
@@ -177,6 +179,7 @@ def test_dynamic_capacity_gives_one_block_graph_for_pyramid_layers(policy):
         torch._dynamo.reset()
         counters.clear()
         model.setup_caches(factory())
+        decode.configure_torch(compile=True, dynamic_capacity=dynamic)
         decoder = generate.Decoder(model, compile=True, scope="block", dynamic_capacity=dynamic)
         assert torch.equal(generate_tokens(model, prompt, N_NEW, decoder), eager)
         graphs[dynamic] = counters["stats"]["unique_graphs"] - 1  # less the head's graph

@@ -20,8 +20,8 @@ from torch._dynamo.utils import counters
 
 from cache import make_cache_factory
 from generate import Decoder
+from kernels import attend
 from kv.slots import reduce_groups
-from model import attend
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 SMALL_EMA = {"obs_window": 4, "pool_kernel": 3}  # snapkv prompt compression at a few dozen tokens

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import generate
 from cache import make_cache_factory
+from kernels import attend
 from kv import fastgen
 from kv.fastgen import choose_profiles, profile_masks, token_classes, water_fill
-from model import attend
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -110,7 +110,7 @@ def fastgen_cache(B: int, S: int, steps: int, budget: int, **params):
     cache = make_cache_factory("fastgen", B, args, S, steps, budget=budget, **{**defaults, **params})(0)
     table = torch.zeros(64, dtype=torch.uint8)  # ids 0-9 punctuation, 10-11 special, the rest other
     table[:10], table[10:12] = fastgen.PUNCT_TOKEN, fastgen.SPECIAL_TOKEN
-    cache.bind(table)
+    cache.bind_classes(table)
     return cache, table
 
 

@@ -20,8 +20,8 @@ from cache_testing import (
 
 import generate
 from cache import format_head_class_report, head_class_report, make_cache_factory
+from kernels import attend
 from kv.hybrid import HybridCache, classify_heads, hybrid_budgets
-from model import attend
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 

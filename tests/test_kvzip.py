@@ -168,7 +168,7 @@ def test_kvzip_policy_is_adakv_with_kvzip_scores():
 
 def test_eval_replay_scores_once_per_sample(monkeypatch):
     """Budgets share the memoized scores: the reconstruction runs once however many caches use it."""
-    from evalcaches import MultiCache
+    from evals.caches import MultiCache
 
     model = tiny_model(5)
     S = 30
