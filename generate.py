@@ -1,4 +1,5 @@
-"""Generate text with a compressible KV cache: prefill, compiled decode loop, sampling, figures at the end.
+"""Generate text with a compressible KV cache: the command line (flags -> model, caches, Decoder), figures at
+the end. The decode schedule itself is decode.Decoder's.
 
     python generate.py --prompt "Hello, my name is" --max-new-tokens 64 --compile
 """
@@ -9,358 +10,38 @@ import argparse
 import resource
 import sys
 import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
-from torch._inductor import config as inductor_config
+from torch import Tensor
 
 import cache as kvcache
 import ragged
 import tp
-from compilecache import dynamo_count, graph_count, guard_free, trust_cpu_vector_flags
-from kv import kvzip
-from kv.budgets import DYNAMIC_CAPACITY_CONFIG, mark_capacity_dynamic
+from cli import (
+    DEFAULT_CHECKPOINT,
+    ArgumentParser,
+    load,
+    read_prompt,
+    resolve_checkpoint,
+    run_cli,
+)
+from compilecache import CompileCache, dynamo_count, graph_count
+from decode import (  # noqa: F401 -- prefill: still imported from generate by older callers
+    COMPILE_MODES,
+    COMPILE_SCOPES,
+    Decoder,
+    configure_torch,
+    prefill,
+    synchronize,
+    truncate_at_stop,
+)
 from kv.quant import kv_format
-from kv.tiers import TierSpec, flush_caches, format_tier_report, tier_report
+from kv.tiers import format_tier_report, tier_report
 from model import KVFastError, Transformer
+from speculate import Speculator
 
-ROOT = Path(__file__).resolve().parent
-DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
-
-
-# ---- sampling: no host sync (gpt-fast's exponential trick instead of torch.multinomial) ------------------
-def logits_to_probs(logits: Tensor, temperature: float, top_k: int | None) -> Tensor:
-    logits = logits / max(temperature, 1e-5)
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
-        logits = torch.where(logits < kth, float("-inf"), logits)
-    return torch.softmax(logits, dim=-1)
-
-
-def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
-    """logits: [B, 1, V] -> next token ids [B, 1]. Greedy when temperature is 0."""
-    logits = logits[:, -1]
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    probs = logits_to_probs(logits, temperature, top_k)
-    noise = torch.empty_like(probs).exponential_(1)
-    return (probs / noise).argmax(dim=-1, keepdim=True)
-
-
-# ---- the three phases -------------------------------------------------------------------------------
-def prefill(model: Transformer, idx: Tensor, temperature: float, top_k: int | None) -> Tensor:
-    if kvzip.needs_context_pass(model):  # KVzip scores need the whole model before any layer compresses
-        return sample(kvzip.prefill(model, idx), temperature, top_k)
-    return sample(model(idx), temperature, top_k)
-
-
-# Distinct layer shapes one compiled step may hold (a pyramid budget gives every layer its own capacity);
-# dynamo raises past it: --capacity-buckets / --dynamic-capacity keep the count small.
-MAX_BLOCK_SHAPES = 256
-
-
-def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
-                     top_k: int | None, recall: bool = False, run_block: Callable | None = None) -> tuple[Tensor, Tensor]:
-    """One decode step: x [B, 1] at input_pos [1] -> (next token [B, 1], logits [B, 1, V])."""
-    logits = model(x, input_pos, recall=recall, run_block=run_block)
-    return sample(logits, temperature, top_k), logits
-
-
-def recall_and_decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
-                                top_k: int | None) -> tuple[Tensor, Tensor]:
-    """A decode step whose layers first recall warm pages for their query (kv.tiers); compiled on its own."""
-    return decode_one_token(model, x, input_pos, temperature, top_k, recall=True)
-
-
-def run_layer(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, recall: bool) -> Tensor:
-    return layer(x, cos, sin, input_pos, recall)
-
-
-# --compile-scope block: one TransformerBlock with its cache as a nested compile region. Dynamo traces and Inductor
-# compiles it once and calls it for every layer of the same shapes (the layer's parameters and buffers are its
-# inputs), inside one graph per step; eager, a plain call.
-run_block = torch.compiler.nested_compile_region(run_layer, max_reuse_entries=MAX_BLOCK_SHAPES)
-
-
-def logits_and_sample(model: Transformer, h: Tensor, temperature: float,
-                      top_k: int | None) -> tuple[Tensor, Tensor]:
-    logits = model.logits(h)
-    return sample(logits, temperature, top_k), logits
-
-
-class LayerwiseStep:
-    """--compile-scope block where the layers' caches differ in shape (a pyramid schedule): a nested region is
-    reused only for the static shapes it was traced with, so each layer calls one separately compiled layer
-    function instead (under --dynamic-capacity one or two graphs serve every layer), the head compiled apart."""
-
-    def __init__(self, layer: Callable, head: Callable, recall: bool = False):
-        self.layer, self.head, self.recall = layer, head, recall
-
-    def __call__(self, model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
-                 top_k: int | None) -> tuple[Tensor, Tensor]:
-        h = model.hidden(x, input_pos, self.recall, run_block=self.layer)
-        return self.head(model, h, temperature, top_k)
-
-
-def decode_by_blocks(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
-                     top_k: int | None) -> tuple[Tensor, Tensor]:
-    """--compile-scope block's decode step: decode_one_token with every layer through run_block."""
-    return decode_one_token(model, x, input_pos, temperature, top_k, run_block=run_block)
-
-
-def recall_and_decode_by_blocks(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float,
-                                top_k: int | None) -> tuple[Tensor, Tensor]:
-    return decode_one_token(model, x, input_pos, temperature, top_k, recall=True, run_block=run_block)
-
-
-def per_cache(fn: Callable[[nn.Module], None]) -> Callable[[Transformer], None]:
-    """fn(cache) for every layer's cache: the refresh and the flush under --compile-scope block."""
-    def run(model: Transformer) -> None:
-        for c in model.caches:
-            fn(c)
-    return run
-
-
-def refresh_cache(cache: nn.Module) -> None:
-    cache.refresh()
-
-
-def flush_cache(cache: nn.Module) -> None:
-    cache.flush()
-
-
-def refresh_caches(model: Transformer) -> None:
-    """Periodic policy work (e.g. Scissorhands' eviction-queue refill), outside the decode graph."""
-    for c in model.caches:
-        c.refresh()
-
-
-def compiles_refresh(model: Transformer) -> bool:
-    """False where the policy says compiling its refresh does not pay (KVCache.compile_refresh)."""
-    return getattr(model.caches[0], "compile_refresh", True)
-
-
-def refresh_as_compiled(compiled: Callable[[Transformer], None]) -> Callable[[Transformer], None]:
-    """The compiled refresh, or the eager one where compiles_refresh says no; read at each call: eval installs
-    its caches after building the Decoder."""
-    def run(model: Transformer) -> None:
-        (compiled if compiles_refresh(model) else refresh_caches)(model)
-    return run
-
-
-def flush_tiers(model: Transformer) -> None:
-    """Tiers: staged victims become warm pages (every page_size positions), compiled separately."""
-    flush_caches(model.caches)
-
-
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
-COMPILE_SCOPES = ("step", "block")
-WARMUP_STEPS = 3  # reduce-overhead: CUDA graph trees run a step eagerly, record it, then replay it
-
-
-def default_compile_mode(device: str) -> str:
-    """CUDA graphs remove the per-kernel launch cost that dominates a small model's step on a GPU."""
-    return "reduce-overhead" if device.startswith("cuda") else "default"
-
-
-def default_compile_scope(device: str) -> str:
-    """block on CPU: the step with one nested compile region for every layer compiles many times faster cold than
-    the fully traced step and decodes as fast (README, "Compile latency"); step on CUDA, where its cost was measured."""
-    return "step" if device.startswith("cuda") else "block"
-
-
-class Decoder:
-    """Holds the (optionally compiled) step functions so they compile once and are reused across samples."""
-
-    def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False,
-                 mode: str | None = None, scope: str | None = None, dynamic_capacity: bool = False):
-        self.model = model
-        self.dynamic_capacity = compile and dynamic_capacity
-        if self.dynamic_capacity:  # process-wide: dynamo reads it while tracing
-            for key, value in DYNAMIC_CAPACITY_CONFIG.items():
-                setattr(torch._dynamo.config, key, value)
-        self.step = decode_one_token
-        self.step_recall = recall_and_decode_one_token
-        self.refresh = refresh_caches
-        self.flush = flush_tiers
-        self.prefill = prefill
-        self.mode, self.scope, self.block_steps = None, None, None
-        # after a call's first two plain steps have passed dynamo's guards (the caller's input, then a step's own
-        # output), its later plain steps (same caches, same shapes: the tests count 0 recompiles) call the
-        # compiled code without dynamo's cache lookup (compilecache.guard_free): ~1 ms of a 7.5 ms int8 step
-        self.skip_guards = compile
-        if (compile or compile_prefill) and next(model.parameters()).device.type == "cpu":
-            trust_cpu_vector_flags()
-        if compile or compile_prefill:
-            # process-wide: Inductor otherwise keeps a value cast down and back up in fp32 inside a fused kernel,
-            # and bfloat16 K/V's one-query attention (model.attend_one_query) would skip the roundings that make
-            # it agree with the bfloat16 matmuls of eager steps and of a speculative verification
-            inductor_config.emulate_precision_casts = True
-        if compile:
-            device = str(next(model.parameters()).device)
-            self.mode = mode or default_compile_mode(device)
-            scope = scope or default_compile_scope(device)
-            if self.mode not in COMPILE_MODES:
-                choices = ", ".join(COMPILE_MODES)
-                raise KVFastError(f"unknown compile mode {self.mode!r} (choose from {choices})")
-            if scope not in COMPILE_SCOPES:
-                raise KVFastError(f"unknown compile scope {scope!r} (choose from {', '.join(COMPILE_SCOPES)})")
-            self.scope = scope
-            compiled = partial(torch.compile, mode=self.mode, fullgraph=True)
-            if scope == "step":  # the whole step, all layers traced into one graph (gpt-fast)
-                self.step = compiled(decode_one_token)
-                self.step_recall = compiled(recall_and_decode_one_token)
-                self.refresh = refresh_as_compiled(compiled(refresh_caches))
-                self.flush = compiled(flush_tiers)
-            else:  # regional: one graph per step, in which one compiled layer serves every layer of its shapes
-                # process-wide: a float a module attribute held with another value in an earlier compile (an eps,
-                # a policy's parameter) would otherwise turn symbolic, and a nested region takes no float inputs
-                torch._dynamo.config.specialize_float = True
-                # static shapes unless --dynamic-capacity: an int seen with another value in an earlier compile
-                # (a batch size, a capacity) would turn symbolic, and a nested region reuses its code only for
-                # the static shapes it was traced with (a symbol specialized inside it makes dynamo fail to
-                # stamp it out for the next layer)
-                nested = partial(compiled, dynamic=None if self.dynamic_capacity else False)
-                layer, head = compiled(run_layer), compiled(logits_and_sample)
-                self.block_steps = {False: (nested(decode_by_blocks), nested(recall_and_decode_by_blocks)),
-                                    True: (LayerwiseStep(layer, head), LayerwiseStep(layer, head, recall=True))}
-                self.step, self.step_recall = self.block_steps[False]
-                self.refresh = refresh_as_compiled(per_cache(compiled(refresh_cache)))
-                self.flush = per_cache(compiled(flush_cache))
-        if compile_prefill:
-            if kvzip.needs_context_pass(model):
-                raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
-            self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
-
-    def choose_block_step(self) -> None:
-        """Block scope: the nested-region step where every layer's cache has the same shapes, else the layerwise
-        step; read when decoding starts, as the caches may have been installed after us (eval)."""
-        if self.block_steps:
-            shapes = {tuple(b.shape for b in c.buffers()) for c in self.model.caches}
-            self.step, self.step_recall = self.block_steps[len(shapes) > 1]
-
-    def refresh_interval(self) -> int | None:
-        return getattr(self.model.caches[0], "refresh_interval", None)
-
-    def tiers(self) -> TierSpec | None:
-        """The caches' tiers (kv.tiers), read when decoding starts: eval installs caches after building us."""
-        return getattr(self.model.caches[0], "tiers", None)
-
-    def warm_up(self, idx: Tensor, temperature: float = 0.0, top_k: int | None = None,
-                steps: int = WARMUP_STEPS) -> tuple[int, int]:
-        """Call every compiled function `steps` times on throwaway cache state, with the shapes, dtypes and
-        Python arguments of a real sample from prompt idx [B, S], so that the sample then compiles nothing;
-        the caches are reset afterwards. A compiled refresh (and the tiers' flush) runs before each step instead of
-        on its schedule: compiling it must not wait for the interval; an eager one is not run (nothing to compile);
-        the first step recalls (tiers). The global RNG is restored, so
-        a seeded sample does not depend on the warm-up. Returns (decode steps, refreshes) run: a constant,
-        whatever the sample's length."""
-        model, S = self.model, idx.shape[1]
-        if self.dynamic_capacity:
-            mark_capacity_dynamic(model.caches)
-        self.choose_block_step()
-        compiled_refresh = self.refresh is not refresh_caches and compiles_refresh(model)
-        refreshes = steps if self.refresh_interval() and compiled_refresh else 0
-        tiers = self.tiers()
-        devices = [idx.device] if idx.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.inference_mode():
-            for c in model.caches:
-                c.reset()
-            if self.prefill is not prefill:  # compiled: same prompt, same shapes as the sample's prefill
-                x = self.prefill(model, idx, temperature, top_k)
-            else:  # decoding into empty caches is enough to compile the step; no prefill cost (kvzip's)
-                # the strides of the token sample() returns: dynamo guards on strides, even of size-1 dims
-                x = idx[:, -1:].clone(memory_format=torch.contiguous_format)
-            input_pos = torch.tensor([S], dtype=torch.long, device=idx.device)
-            for i in range(steps):
-                if refreshes:
-                    self.refresh(model)
-                if tiers:
-                    self.flush(model)
-                step = self.step_recall if tiers and i == 0 else self.step
-                x, _ = step(model, x, input_pos, temperature, top_k)
-                x = x.clone()  # as in decode(): a CUDA graph replay overwrites its outputs
-                input_pos = input_pos + 1
-            for c in model.caches:
-                c.reset()
-        return steps, refreshes
-
-    def decode(self, x: Tensor, start_pos: int, n: int, temperature: float = 0.0, top_k: int | None = None,
-               stop_ids: set[int] | None = None, forced: Tensor | None = None,
-               on_logits=None) -> Tensor:
-        """Decode up to n tokens after x ([B, 1] at start_pos). With `forced` ([B, n]) the next inputs are
-        teacher-forced (used to extend a cache by a chunk and for perplexity); on_logits(step, logits) sees
-        each step's logits. Returns the generated tokens [B, <=n].
-
-        Tiers (kv.tiers): staged victims are flushed to warm pages every page_size positions; a step recalls
-        warm pages for its query first when its input is new: the first step of a call and every step of a fed
-        chunk (each token of a question read through the decode step needs the context it asks about, not only
-        the last one: on query-agnostic passkey, recalling at the chunk's first and last tokens alone lost the
-        needle in a quarter of the samples that recalling at each token found), and while generating, every
-        recall_interval positions."""
-        out = []
-        if self.dynamic_capacity:  # caches set up after the warm-up (eval installs its own)
-            mark_capacity_dynamic(self.model.caches)
-        self.choose_block_step()
-        input_pos = torch.tensor([start_pos], dtype=torch.long, device=x.device)
-        interval, tiers = self.refresh_interval(), self.tiers()
-        guarded, unguarded = 0, None  # plain steps of this call run with guards; then the guard-free step
-        for i in range(n):
-            pos = start_pos + i
-            if interval and pos % interval == 0:
-                self.refresh(self.model)
-            step = self.step
-            if tiers:
-                if pos % tiers.page_size == 0:
-                    self.flush(self.model)
-                if i == 0 or forced is not None or pos % tiers.recall_interval == 0:
-                    step = self.step_recall
-            if step is self.step and self.skip_guards and guarded >= 2:
-                args = (self.model, x, input_pos, temperature, top_k)
-                unguarded = unguarded or guard_free(step, *args) or partial(without_guards, step)
-                x_next, logits = unguarded(*args)
-            else:
-                x_next, logits = step(self.model, x, input_pos, temperature, top_k)
-                guarded += step is self.step
-            # with CUDA graphs the step's outputs live in memory the next replay overwrites: copy them out
-            x_next = x_next.clone()
-            if on_logits is not None:
-                on_logits(i, logits.clone())
-            out.append(x_next)
-            x = forced[:, i : i + 1] if forced is not None else x_next
-            input_pos = input_pos + 1
-            if stop_ids and forced is None and (i + 1) % 8 == 0 and _all_stopped(torch.cat(out, 1), stop_ids):
-                break
-        return torch.cat(out, dim=1)
-
-
-def without_guards(fn: Callable, *args):
-    """fn(*args) evaluating only the guards that tell its compiled entries apart (where guard_free finds none)."""
-    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-        return fn(*args)
-
-
-def _all_stopped(tokens: Tensor, stop_ids: set[int]) -> bool:
-    stops = torch.tensor(sorted(stop_ids), device=tokens.device)
-    return bool(torch.isin(tokens, stops).any(dim=1).all())
-
-
-def truncate_at_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[:i]
-    return tokens
-
-
-# ---- CLI -----------------------------------------------------------------------------------------------
-class ArgumentParser(argparse.ArgumentParser):
-    """Bad flags end in one line ('error: ...') and exit code 2, like every other user error."""
-
-    def error(self, message: str):
-        raise KVFastError(message)
+DEFAULT_PROMPT = "Hello, my name is"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -444,43 +125,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-DEFAULT_PROMPT = "Hello, my name is"
-
-
-def read_prompt(prompt: str) -> str:
-    if not prompt.startswith("@"):
-        return prompt
-    path = Path(prompt[1:])
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise KVFastError(f"cannot read prompt file {path}: {e.strerror if isinstance(e, OSError) else e}")
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    if path == DEFAULT_CHECKPOINT and not (path / "config.json").exists():
-        from scripts.prepare import prepare_default
-
-        print("preparing the default model (first use)...", file=sys.stderr)
-        return prepare_default(ROOT)
-    return path
-
-
-def load(checkpoint: Path, device: str, dtype: torch.dtype):
-    from tokenizer import load_tokenizer
-
-    model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
-    folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
-    try:
-        tokenizer = load_tokenizer(folder)
-    except (OSError, ValueError) as e:  # missing files, bad JSON, bad tokenizer model
-        raise KVFastError(f"cannot load the tokenizer of {folder}: {e}") from None
-    return model, tokenizer
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.device = tp.init(args.device)  # under torchrun: join the ranks (tp.py); alone, nothing
+    configure_torch(args.compile or args.compile_prefill, args.dynamic_capacity)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     torch.manual_seed(args.seed)
     if args.prompts:
@@ -540,10 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     timings = []
     for i in range(args.num_samples):
         graphs_before = graph_count()
-        for c in model.caches:
-            c.reset()
-        if runner is not decoder:
-            runner.reset()
+        runner.reset()
         t0 = time.perf_counter()
         with torch.inference_mode():
             if single_rows:
@@ -591,10 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         print(runner.report())
 
 
-def speculator(model: Transformer, decoder: Decoder, args: argparse.Namespace, prompt_len: int, dtype: torch.dtype):
+def speculator(model: Transformer, decoder: Decoder, args: argparse.Namespace, prompt_len: int,
+               dtype: torch.dtype) -> Speculator:
     """--speculate: the draft caches beside the full ones (whose factory left room for K drafts past the end)."""
-    from speculate import Speculator
-
     draft = kvcache.make_cache_factory(args.draft_cache, 1, model.args, prompt_len, args.max_new_tokens + args.speculate,
                                        budget=args.draft_budget, dtype=dtype, device=args.device)
     if draft.prompt_compression == "kvzip":
@@ -602,16 +246,14 @@ def speculator(model: Transformer, decoder: Decoder, args: argparse.Namespace, p
     return Speculator(model, decoder, [draft(i) for i in range(model.args.n_layers)], args.speculate)
 
 
-def warm_up(decoder: Decoder, idx: Tensor, args: argparse.Namespace) -> None:
+def warm_up(runner: Decoder | Speculator, idx: Tensor, args: argparse.Namespace) -> None:
     """Compile every function once (a few throwaway steps, not a whole sample) and print how long it took;
     with --compile-cache, load the cache before and save it after."""
-    from compilecache import CompileCache
-
     graphs, t0 = graph_count(), time.perf_counter()  # loading the cache counts: it replaces compiling
     cache = CompileCache(args.compile_cache, args.device) if args.compile_cache else None
     if cache:
         cache.load()
-    steps, refreshes = decoder.warm_up(idx, args.temperature, args.top_k)
+    steps, refreshes = runner.warm_up(idx, args.temperature, args.top_k)
     synchronize(args.device)
     elapsed = time.perf_counter() - t0
     if cache:
@@ -634,12 +276,6 @@ def print_cache_stats(model: Transformer, factory: kvcache.CacheFactory) -> None
         print(line)
 
 
-def synchronize(device: str) -> None:
-    """Wait for the device (CUDA kernels are asynchronous) before reading a clock."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _peak_memory_gb(device: str) -> float:
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 1e9
@@ -648,18 +284,6 @@ def _peak_memory_gb(device: str) -> float:
 
 def cli(argv: list[str] | None = None) -> int:
     return run_cli(main, argv)
-
-
-def run_cli(entry, argv: list[str] | None = None) -> int:
-    """Run a CLI's main(); a user error is one line on stderr and exit code 2, never a traceback."""
-    try:
-        entry(argv)
-    except KVFastError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,20 +17,17 @@ A round, with x the last token (not yet in either cache) at position t:
     K/V from the full cache (absorb_token: a copy per layer, not a draft step, which cost ~6 ms of a ~70 ms
     round at 4096 tokens with int8 weights).
 The draft cache's evictions during a rejected stretch are not undone: they only change later drafts.
-After a decode call's first two rounds the draft steps and verifications skip dynamo's cache lookup, as
-Decoder.decode's plain steps do (~1 ms a call with both caches installed).
+The rounds run in Decoder.decode's loop (decode.Rounds): its scheduled step drafts (refreshing the draft cache
+on its interval), its guard state lets the draft steps, verifications and hand-overs skip dynamo's cache lookup
+after a decode call's first two rounds (~1 ms a call with both caches installed), its stop checks end the call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
-
 import torch
 from torch import Tensor, nn
 
-from compilecache import guard_free
-from generate import Decoder, logits_to_probs, run_block, without_guards
+from decode import DecodeCall, Decoder, logits_to_probs, run_block, specialized
 from model import KVFastError, Transformer
 
 
@@ -48,14 +45,13 @@ class Prefill(nn.Module):
         self.draft.prefill(q, k, v)
 
 
-def verify_tokens(model: Transformer, tokens: Tensor, input_pos: Tensor) -> Tensor:
-    """The full cache's logits [B, K+1, V] for tokens [B, K+1] at positions input_pos [K+1]."""
-    return model(tokens, input_pos, all_logits=True)
-
-
-def verify_by_blocks(model: Transformer, tokens: Tensor, input_pos: Tensor) -> Tensor:
-    """verify_tokens with every layer through generate.run_block (--compile-scope block)."""
+def verify_tokens(model: Transformer, tokens: Tensor, input_pos: Tensor, run_block=None) -> Tensor:
+    """The full cache's logits [B, K+1, V] for tokens [B, K+1] at positions input_pos [K+1]; run_block runs each
+    layer (--compile-scope block)."""
     return model(tokens, input_pos, all_logits=True, run_block=run_block)
+
+
+VERIFY = {False: verify_tokens, True: specialized(verify_tokens, run_block=run_block)}  # by block scope
 
 
 def absorb_token(target: list[nn.Module], draft: list[nn.Module], input_pos: Tensor) -> None:
@@ -85,7 +81,10 @@ def accept(drafts: Tensor, draft_probs: Tensor | None, logits: Tensor, temperatu
 
 
 class Speculator:
-    """Holds both caches per layer and the compiled draft step (the Decoder's) and verification step."""
+    """Both caches per layer, the Decoder (its step drafts) and the compiled verification: the rounds
+    (decode.Rounds) that Decoder.decode runs."""
+
+    stop_every = 1  # a round decides several tokens: check after each
 
     def __init__(self, model: Transformer, decoder: Decoder, draft_caches: list[nn.Module], k: int):
         if k < 1:
@@ -98,16 +97,11 @@ class Speculator:
                               "use --batch-size 1")
         self.model, self.decoder, self.k = model, decoder, k
         self.target, self.draft = model.caches, draft_caches
-        self.verify = verify_by_blocks if decoder.scope == "block" else verify_tokens
-        self.absorb = absorb_token
-        if decoder.scope:  # dynamic=False: another K is another static graph, never a dynamic chunk length
-            compiled = partial(torch.compile, mode=decoder.mode, fullgraph=True, dynamic=False)
-            self.verify, self.absorb = compiled(self.verify), compiled(absorb_token)
+        self.verify = decoder.compiled(VERIFY[decoder.scope == "block"])
+        self.absorb = decoder.compiled(absorb_token)
         # keys stored before RoPE in either cache: the full cache's K/V do not fit the draft's; it decodes dK
         self.absorbs = not any(c.pos_shift for c in (*self.target, *draft_caches))
         self.rounds = self.drafted = self.accepted = 0
-        self.guarded = 0  # rounds of this decode call run with dynamo's guards
-        self.guard_free: dict[str, Callable] = {}  # then each role's guard-free call
 
     def use(self, caches: list[nn.Module]) -> None:
         for layer, cache in zip(self.model.layers, caches):
@@ -126,88 +120,55 @@ class Speculator:
         finally:
             self.use(self.target)
 
-    def unguarded(self, role: str, fn, *args):
-        """fn(*args); once this decode call's first two rounds have passed dynamo's guards with these caches and
-        shapes, without dynamo's cache lookup (compilecache.guard_free, as Decoder.decode's plain steps; the tests
-        count 0 recompiles). role: which call this is (the draft step and a plain step share one function)."""
-        if not (self.decoder.skip_guards and self.guarded >= 2):
-            return fn(*args)
-        if role not in self.guard_free:
-            self.guard_free[role] = guard_free(fn, *args) or partial(without_guards, fn)
-        return self.guard_free[role](*args)
-
-    def draft_tokens(self, x: Tensor, pos: int, temperature: float, top_k: int | None
-                     ) -> tuple[Tensor, Tensor | None]:
+    def draft_tokens(self, x: Tensor, pos: int, input_pos: Tensor, call: DecodeCall) -> tuple[Tensor, Tensor | None]:
         """K draft tokens [K] after x [1, 1] at pos, and (sampling) the distributions they came from [K, V]."""
         self.use(self.draft)
-        interval = self.decoder.refresh_interval()
+        schedule = self.decoder.schedule()  # the draft cache's refresh
         drafts, probs = [], []
-        input_pos = torch.tensor([pos], device=x.device)
         for i in range(self.k):
-            if interval and (pos + i) % interval == 0:
-                self.decoder.refresh(self.model)
-            x, logits = self.unguarded("draft", self.decoder.step, self.model, x, input_pos, temperature, top_k)
-            x = x.clone()
+            x, logits = self.decoder.step(x, pos + i, input_pos, call, role="draft", schedule=schedule)
             drafts.append(x)
-            if temperature > 0:
-                probs.append(logits_to_probs(logits[0, -1], temperature, top_k))
+            if call.temperature > 0:
+                probs.append(logits_to_probs(logits[0, -1], call.temperature, call.top_k))
             input_pos = input_pos + 1
         self.use(self.target)
         return torch.cat(drafts, 1)[0], torch.stack(probs) if probs else None
 
-    def round(self, x: Tensor, pos: int, temperature: float, top_k: int | None) -> list[int]:
-        """One draft-and-verify round from x [1, 1] at pos: the n + 1 tokens it decides."""
-        drafts, draft_probs = self.draft_tokens(x, pos, temperature, top_k)
+    def round(self, x: Tensor, pos: int, input_pos: Tensor, call: DecodeCall) -> tuple[Tensor, Tensor, None]:
+        """One draft-and-verify round from x [1, 1] at pos: the n + 1 tokens it decides [1, n + 1], the last
+        as the next input. The warm-up hands a token over whatever was accepted, to compile absorb_token."""
+        drafts, draft_probs = self.draft_tokens(x, pos, input_pos, call)
         chunk = torch.cat([x[0], drafts]).view(1, -1)
         positions = torch.arange(pos, pos + self.k + 1, device=x.device)
-        logits = self.unguarded("verify", self.verify, self.model, chunk, positions)[0]
-        n, following = accept(drafts, draft_probs, logits, temperature, top_k)
-        for cache in self.target:
+        logits = call.run("verify", self.verify, self.model, chunk, positions)[0]
+        n, following = accept(drafts, draft_probs, logits, call.temperature, call.top_k)
+        for cache in (*self.target, *self.draft):
             cache.truncate(pos + n + 1)
-        for cache in self.draft:
-            cache.truncate(pos + n + 1)
-        if n == self.k:  # the draft has not read its own last token
-            last = torch.tensor([pos + self.k], device=x.device)
+        if n == self.k or (call.warm and self.absorbs):  # the draft has not read its own last token
+            last = torch.tensor([pos + self.k if n == self.k else pos], device=x.device)
             if self.absorbs:
-                self.unguarded("absorb", self.absorb, self.target, self.draft, last)
+                call.run("absorb", self.absorb, self.target, self.draft, last)
             else:
                 self.use(self.draft)
-                self.unguarded("catch-up", self.decoder.step, self.model, drafts[-1].view(1, 1), last, temperature,
-                               top_k)
+                call.run("catch-up", self.decoder.steps[False], self.model, drafts[-1].view(1, 1), last,
+                         call.temperature, call.top_k)
                 self.use(self.target)
         self.rounds += 1
-        self.guarded += 1
+        call.passed += 1
         self.drafted += self.k
         self.accepted += n
-        return [*drafts[:n].tolist(), following]
+        return (torch.tensor([[*drafts[:n].tolist(), following]], device=x.device),
+                torch.tensor([[following]], device=x.device), None)
 
     def decode(self, x: Tensor, start_pos: int, n: int, temperature: float = 0.0, top_k: int | None = None,
                stop_ids: set[int] | None = None) -> Tensor:
-        """Up to n tokens after x [1, 1] at start_pos, like Decoder.decode: [1, <=n]."""
-        out: list[int] = []
-        pos = start_pos
-        self.guarded, self.guard_free = 0, {}
-        while len(out) < n:
-            new = self.round(x, pos, temperature, top_k)
-            out.extend(new)
-            pos += len(new)
-            x = torch.tensor([[new[-1]]], device=x.device)
-            if stop_ids and any(t in stop_ids for t in new):
-                break
-        return torch.tensor([out[:n]], device=x.device)
+        """Up to n tokens after x [1, 1] at start_pos, through Decoder.decode's loop: [1, <=n]."""
+        return self.decoder.decode(x, start_pos, n, temperature, top_k, stop_ids, rounds=self)
 
     def warm_up(self, idx: Tensor, temperature: float = 0.0, top_k: int | None = None) -> tuple[int, int]:
-        """Compile the draft step and the verification on throwaway state (no prefill), as Decoder.warm_up
-        does, and the draft's take of dK after a fully accepted round (absorb_token: the full cache holds the
-        round's first position whatever it accepted). Returns (draft steps, refreshes)."""
-        with torch.random.fork_rng(), torch.inference_mode():
-            self.reset()
-            S = idx.shape[1]
-            self.round(idx[:, -1:].clone(memory_format=torch.contiguous_format), S, temperature, top_k)
-            if self.absorbs:
-                self.absorb(self.target, self.draft, torch.tensor([S], device=idx.device))
-            self.reset()
-        return self.k, 0
+        """Decoder.warm_up for one round: the draft steps, the verification and the draft's take of dK
+        (absorb_token). Returns (draft steps, refreshes)."""
+        return self.decoder.warm_up(idx, temperature, top_k, steps=1, rounds=self)
 
     def report(self) -> str:
         rate = self.accepted / max(self.drafted, 1)
@@ -215,4 +176,3 @@ class Speculator:
         return (f"speculate: {self.k} drafts per round through {self.draft[0].name} "
                 f"({self.draft[0].capacity} slots per layer): {self.rounds} rounds, {self.accepted} of "
                 f"{self.drafted} drafts accepted ({100 * rate:.0f} %), {per_round:.2f} tokens per verification")
-

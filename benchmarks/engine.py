@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from benchmarks.common import Bench, Flag, copy_bandwidth, interleaved, median_time, ours_run, row, table
 from kv.quant import kv_format
 from model import KVFastError, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = "HF transformers generate (fp32, eager)"
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 
 
 def load_hf_gguf(gguf: Path) -> torch.nn.Module:
@@ -81,7 +83,8 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
             for bits in (None, *args.kv_bits):
                 m = models[mode] if bits is None else copy.deepcopy(models[mode])
                 kv, name = kv_format(bits, args.kv_float)
-                runs[f"kvfast compiled ({mode}" + (f", {name} K/V)" if bits else ")")] = ours_run(
+                path = kernels.linear_path(WEIGHT_DTYPES[mode.split("-")[0]], 1)  # the kernel each projection took
+                runs[f"kvfast compiled ({mode} {path}" + (f", {name} K/V)" if bits else ")")] = ours_run(
                     m, prompt, args.new_tokens, True, kv)
         if "llama.cpp" in args.peers:
             from scripts.peer_llamacpp import time_llamacpp
@@ -104,7 +107,8 @@ def bandwidths(rows: dict, key: str) -> str:
 def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argparse.Namespace) -> None:
     hf = rows.get(HF)
     peer = next((r for name, r in rows.items() if name.startswith("llama.cpp")), None)
-    ref = rows.get("kvfast compiled (fp32)", {}).get("tokens")
+    ref = next((r.get("tokens") for name, r in rows.items() if name.startswith("kvfast compiled (fp32 ")
+                and "K/V" not in name), None)
     caption = (f"prompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
                f"greedy, median of {args.repeats} (the engines' runs alternating); compiled = one graph per step "
                f"(--compile-scope step); copy bandwidth {bandwidth / 1e9:.1f} GB/s before the table, "

@@ -14,7 +14,7 @@ from cache_testing import (
 from torch._dynamo.utils import counters
 
 from cache import POLICIES, setup_decode_benchmark
-from generate import Decoder
+from decode import Decoder
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -62,7 +62,7 @@ def test_bench_interleaves_the_policies_steps():
     compiled step per policy), nothing recompiled after the first round, ratios against the first policy."""
     import argparse
 
-    from bench import interleaved_caches
+    from benchmarks.policies import interleaved_caches
 
     model = tiny_model()
     counters.clear()

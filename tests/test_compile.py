@@ -19,8 +19,11 @@ from torch._dynamo.utils import counters
 
 import cache as kvcache
 import compilecache
+import decode
 import generate
 from compilecache import guard_free
+from kv.budgets import DYNAMIC_CAPACITY_CONFIG
+from model import KVFastError
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -47,12 +50,12 @@ def test_warm_up_compiles_everything_and_the_sample_nothing(policy, override):
     prompt = torch.randint(0, 64, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     model.setup_caches(small_factory(policy, 2, model.args, PROMPT_LEN, N_NEW, **override))
     eager = generate_tokens(model, prompt, N_NEW)
-    decoder = generate.Decoder(model, compile=True, scope="step")
+    decoder = decode.Decoder(model, compile=True, scope="step")
     has_refresh = decoder.refresh_interval() is not None
     compiles_refresh = has_refresh and model.caches[0].compile_refresh  # scissorhands' runs eagerly
     before = graphs()
     steps, refreshes = decoder.warm_up(prompt)
-    assert (steps, refreshes) == (generate.WARMUP_STEPS, generate.WARMUP_STEPS if compiles_refresh else 0)
+    assert (steps, refreshes) == (decode.WARMUP_STEPS, decode.WARMUP_STEPS if compiles_refresh else 0)
     assert graphs() - before == 1 + compiles_refresh  # the step, and the refresh where the policy compiles one
     warm, recompiles = graphs(), sum(counters["recompiles"].values())
     compiled = generate_tokens(model, prompt, N_NEW, decoder)
@@ -62,7 +65,7 @@ def test_warm_up_compiles_everything_and_the_sample_nothing(policy, override):
 
 
 @pytest.mark.parametrize("probe", [False, True])
-def test_compiling_on_cpu_trusts_the_cpus_vector_flags_unless_told_to_probe(probe, monkeypatch):
+def test_configuring_compiled_decoding_trusts_the_cpus_vector_flags_unless_told_to_probe(probe, monkeypatch):
     from torch._inductor import config
 
     if probe:
@@ -70,17 +73,36 @@ def test_compiling_on_cpu_trusts_the_cpus_vector_flags_unless_told_to_probe(prob
     else:
         monkeypatch.delenv("KVFAST_PROBE_VEC_ISA", raising=False)
     with config.patch({"cpp.vec_isa_ok": None}):  # restored afterwards: other tests compile with it set
-        generate.Decoder(tiny_model())  # eager: nothing compiled, nothing set
+        decode.configure_torch(compile=False)  # eager: nothing set
+        decode.Decoder(tiny_model(), compile=True)  # building a Decoder sets nothing either
         assert config.cpp.vec_isa_ok is None
-        generate.Decoder(tiny_model(), compile=True)
+        decode.configure_torch(compile=True)
         aten_runs_avx = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
         assert config.cpp.vec_isa_ok is (True if aten_runs_avx and not probe else None)
 
 
+def test_a_compiled_decoder_without_the_torch_settings_is_a_one_line_error():
+    """The settings are process-wide, so configure_torch sets them, never a Decoder; one missing is named."""
+    from torch._inductor import config
+
+    static = {k: not v for k, v in DYNAMIC_CAPACITY_CONFIG.items()}
+    with config.patch(emulate_precision_casts=False), torch._dynamo.config.patch(specialize_float=False, **static):
+        decode.Decoder(tiny_model())  # eager: needs none
+        for kwargs in ({"compile": True}, {"compile_prefill": True}):
+            with pytest.raises(KVFastError, match=r"call decode\.configure_torch\(compile=True\) once"):
+                decode.Decoder(tiny_model(), **kwargs)
+        decode.configure_torch(compile=True)
+        decode.Decoder(tiny_model(), compile=True)
+        with pytest.raises(KVFastError, match=r"configure_torch\(compile=True, dynamic_capacity=True\)"):
+            decode.Decoder(tiny_model(), compile=True, dynamic_capacity=True)
+        decode.configure_torch(compile=True, dynamic_capacity=True)
+        assert decode.Decoder(tiny_model(), compile=True, dynamic_capacity=True).dynamic_capacity
+
+
 def test_default_scope_is_block_on_cpu_and_step_on_cuda():
-    assert generate.Decoder(tiny_model(), compile=True).scope == "block"
-    assert generate.Decoder(tiny_model()).scope is None  # eager: nothing compiled
-    assert (generate.default_compile_scope("cpu"), generate.default_compile_scope("cuda:0")) == ("block", "step")
+    assert decode.Decoder(tiny_model(), compile=True).scope == "block"
+    assert decode.Decoder(tiny_model()).scope is None  # eager: nothing compiled
+    assert (decode.default_compile_scope("cpu"), decode.default_compile_scope("cuda:0")) == ("block", "step")
 
 
 @pytest.mark.parametrize("policy, tiers", [("h2o", None), ("scissorhands", None), ("expected_attention", None),
@@ -94,7 +116,7 @@ def test_block_scope_compiles_one_block_for_every_layer(policy, tiers):
     model.setup_caches(small_factory(policy, 2, model.args, PROMPT_LEN, N_NEW, **({"tiers": tiers} if tiers else {})))
     eager = generate_tokens(model, prompt, N_NEW)
     with recorded_graphs() as recorded:
-        decoder = generate.Decoder(model, compile=True, scope="block")
+        decoder = decode.Decoder(model, compile=True, scope="block")
         compiles_refresh = decoder.refresh_interval() is not None and model.caches[0].compile_refresh
         recompiles = sum(counters["recompiles"].values())
         decoder.warm_up(prompt)
@@ -119,7 +141,7 @@ def test_block_scope_traces_the_block_once_whatever_the_depth():
             counters.clear()
             model = tiny_model(n_layers=n_layers)
             model.setup_caches(small_factory("h2o", 1, model.args, PROMPT_LEN, N_NEW))
-            generate.Decoder(model, compile=True, scope=scope).warm_up(prompt)
+            decode.Decoder(model, compile=True, scope=scope).warm_up(prompt)
             captured[scope, n_layers] = counters["stats"]["calls_captured"]
     per_layer = {scope: (captured[scope, 4] - captured[scope, 2]) / 2 for scope in ("block", "step")}
     assert per_layer["block"] <= 2, captured
@@ -149,7 +171,7 @@ def test_warm_up_steps_do_not_grow_with_max_new_tokens(tiny_checkpoint, capsys):
         assert code == 0 and "warning" not in err, err
         lines.append(re.search(r"compile time: [\d.]+ s \((\d+) graphs; (warm-up: .*)\)", out).groups())
         assert "compile mode: default, scope step" in out
-    n = generate.WARMUP_STEPS
+    n = decode.WARMUP_STEPS
     assert lines[0] == lines[1] == ("2", f"warm-up: {n} decode steps, {n} refreshes")
 
 
@@ -238,17 +260,17 @@ def test_compile_mode_reaches_every_compiled_function(monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn.__name__, kw.get("mode"))) or fn)
     model = tiny_model()
-    decoder = generate.Decoder(model, compile=True, mode="max-autotune-no-cudagraphs", scope="step")
+    decoder = decode.Decoder(model, compile=True, mode="max-autotune-no-cudagraphs", scope="step")
     mode = "max-autotune-no-cudagraphs"  # the tiers' recall step and flush are compiled with it too
     assert seen == [(name, mode) for name in
-                    ("decode_one_token", "recall_and_decode_one_token", "refresh_caches", "flush_tiers")]
+                    ("decode_step", "decode_step_recall", "caches_work_refresh", "caches_work_flush")]
     assert decoder.mode == "max-autotune-no-cudagraphs"
     seen.clear()
-    generate.Decoder(model, compile=True, mode=mode, scope="block")
+    decode.Decoder(model, compile=True, mode=mode, scope="block")
     assert sorted(seen) == sorted((name, mode) for name in  # the layerwise step's layer and head too
-                                  ("decode_by_blocks", "recall_and_decode_by_blocks", "run_layer",
-                                   "logits_and_sample", "refresh_cache", "flush_cache"))
-    assert generate.Decoder(model, compile=True).mode == "default"  # CPU; reduce-overhead on CUDA
+                                  ("decode_step_run_block", "decode_step_recall_run_block", "run_layer",
+                                   "logits_and_sample", "cache_work_refresh", "cache_work_flush"))
+    assert decode.Decoder(model, compile=True).mode == "default"  # CPU; reduce-overhead on CUDA
 
 
 def test_new_flags_have_help(capsys):
@@ -271,7 +293,7 @@ def test_block_scope_compiles_runs_that_differ_in_ints_and_floats_in_one_process
         model.setup_caches(small_factory(policy, batch, model.args, PROMPT_LEN + seed, N_NEW))
         prompt = torch.randint(0, 64, (batch, PROMPT_LEN + seed), generator=torch.Generator().manual_seed(seed))
         eager = generate_tokens(model, prompt, N_NEW)
-        decoder = generate.Decoder(model, compile=True, scope="block")
+        decoder = decode.Decoder(model, compile=True, scope="block")
         assert torch.equal(generate_tokens(model, prompt, N_NEW, decoder), eager), (batch, eps, policy)
 
 
@@ -292,9 +314,9 @@ def test_later_steps_skip_guards_but_new_caches_still_recompile(monkeypatch):
             return code(*args)
         return step
 
-    monkeypatch.setattr(generate, "guard_free", spy)
+    monkeypatch.setattr(decode, "guard_free", spy)
     model = tiny_model()
-    decoder = generate.Decoder(model, compile=True)
+    decoder = decode.Decoder(model, compile=True)
     start = graphs()
     for prompt_len, budget in ((24, None), (40, None), (24, 20)):  # capacities 72, 88, 20
         prompt = torch.randint(0, 64, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))

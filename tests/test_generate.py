@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cache as kvcache
+import decode
 import generate
 from model import ModelArgs, Transformer
 
@@ -26,7 +27,7 @@ def tiny_model(seed: int = 0) -> Transformer:
     return model
 
 
-def greedy(model: Transformer, decoder: generate.Decoder, prompt: torch.Tensor, n: int) -> torch.Tensor:
+def greedy(model: Transformer, decoder: decode.Decoder, prompt: torch.Tensor, n: int) -> torch.Tensor:
     for c in model.caches:
         c.reset()
     with torch.inference_mode():
@@ -38,9 +39,9 @@ def test_compiled_decode_matches_eager_and_never_recompiles():
     model = tiny_model()
     prompt = torch.randint(0, TINY.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     model.setup_caches(kvcache.make_cache_factory("full", 2, TINY, 24, 80))
-    eager = greedy(model, generate.Decoder(model), prompt, 72)
+    eager = greedy(model, decode.Decoder(model), prompt, 72)
     torch._dynamo.reset()
-    compiled_decoder = generate.Decoder(model, compile=True)
+    compiled_decoder = decode.Decoder(model, compile=True)
     greedy(model, compiled_decoder, prompt, 8)  # warm-up: the one compilation
     counters = torch._dynamo.utils.counters
     frames_before = counters["stats"]["unique_graphs"]
@@ -55,9 +56,9 @@ def test_compiled_decode_matches_eager_and_never_recompiles():
 def test_sampling_is_seeded_and_respects_top_k():
     logits = torch.tensor([[[0.0, 5.0, 4.9, -3.0]]])
     torch.manual_seed(0)
-    picks = {generate.sample(logits, temperature=1.0, top_k=2).item() for _ in range(200)}
+    picks = {decode.sample(logits, temperature=1.0, top_k=2).item() for _ in range(200)}
     assert picks == {1, 2}
-    assert generate.sample(logits, temperature=0.0).item() == 1
+    assert decode.sample(logits, temperature=0.0).item() == 1
 
 
 # ---- the CLI --------------------------------------------------------------------------------------------

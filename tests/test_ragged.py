@@ -9,7 +9,7 @@ from cache_testing import generate_tokens, single_thread_fixture, small_params, 
 import generate
 import ragged
 from cache import make_cache_factory
-from generate import Decoder, prefill
+from decode import Decoder, prefill
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 

@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 import generate
 from cache import make_cache_factory
-from generate import Decoder
+from decode import Decoder
 from model import KVFastError
 from speculate import Speculator, absorb_token, accept
 
