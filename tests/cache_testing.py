@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from cache import POLICIES, PROMPT_COMPRESSORS, CacheFactory, make_cache_factory
-from generate import Decoder, prefill
+from decode import Decoder, prefill
 from kv.pool import PoolCache
 from model import ModelArgs, Transformer
 

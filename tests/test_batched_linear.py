@@ -13,7 +13,7 @@ from torch._dynamo.testing import EagerAndRecordGraphs
 from torch._dynamo.utils import counters
 
 import cache as kvcache
-import generate
+import decode
 import kernels
 import quantize
 from model import Linear
@@ -137,9 +137,9 @@ def test_batched_compiled_decode_packs_once_follows_eager_and_never_recompiles(m
             rest = decoder.decode(first, S, N - 1, on_logits=lambda i, lg: logits.append(lg[:, -1].float()))
         return torch.cat([first, rest], 1), torch.stack(logits)
 
-    eager_tokens, eager_logits = run(generate.Decoder(model))
+    eager_tokens, eager_logits = run(decode.Decoder(model))
     kernels._packed.clear()
-    decoder = generate.Decoder(model, compile=True)
+    decoder = decode.Decoder(model, compile=True)
     decoder.warm_up(prompt)
     recompiles = sum(counters["recompiles"].values())
     tokens, logits = run(decoder)

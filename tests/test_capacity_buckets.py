@@ -11,7 +11,6 @@ from cache_testing import generate_tokens, single_thread_fixture, tiny_model
 from torch._dynamo.utils import counters
 
 import decode
-import generate
 from cache import make_cache_factory
 from kv.budgets import DYNAMIC_CAPACITY_CONFIG, bucket_capacity, parse_buckets
 from model import KVFastError
@@ -92,7 +91,7 @@ def test_ten_prompt_lengths_compile_at_most_twice(scope):
     compiles twice; without buckets every length compiles its own graph (six here: dynamo's recompile limit
     of 8 would end a tenth)."""
     model = tiny_model()
-    decoder = generate.Decoder(model, compile=True, scope=scope)
+    decoder = decode.Decoder(model, compile=True, scope=scope)
     lengths = [20, 60, 110, 160, 200, 240, 300, 420, 600, 900]
     for buckets, most in (("x4", 2), (None, 6)):
         torch._dynamo.reset()
@@ -121,7 +120,7 @@ def test_dynamic_capacity_compiles_once_for_every_prompt_length(policy, budget, 
     model = tiny_model()
     counters.clear()
     decode.configure_torch(compile=True, dynamic_capacity=True)
-    decoder = generate.Decoder(model, compile=True, scope=scope, dynamic_capacity=True)
+    decoder = decode.Decoder(model, compile=True, scope=scope, dynamic_capacity=True)
     functions = 1  # the step (block scope too); scissorhands' refresh runs eagerly (compile_refresh)
     lengths = [100, 115, 130, 150, 170, 190, 210, 230, 260, 300]
     caps = set()
@@ -180,7 +179,7 @@ def test_dynamic_capacity_gives_one_block_graph_for_pyramid_layers(policy):
         counters.clear()
         model.setup_caches(factory())
         decode.configure_torch(compile=True, dynamic_capacity=dynamic)
-        decoder = generate.Decoder(model, compile=True, scope="block", dynamic_capacity=dynamic)
+        decoder = decode.Decoder(model, compile=True, scope="block", dynamic_capacity=dynamic)
         assert torch.equal(generate_tokens(model, prompt, N_NEW, decoder), eager)
         graphs[dynamic] = counters["stats"]["unique_graphs"] - 1  # less the head's graph
     # h2o: a second graph, where the first layer's recent window (an int) met another and became symbolic

@@ -19,7 +19,7 @@ from test_cache_reference import H_KV, B, D, G, decode_trace, dense_attention, p
 from torch._dynamo.utils import counters
 
 from cache import make_cache_factory
-from generate import Decoder
+from decode import Decoder
 from kernels import attend
 from kv.slots import reduce_groups
 

@@ -10,6 +10,7 @@ import torch
 from cache_testing import single_thread_fixture, tiny_args, tiny_model
 
 import cache as kvcache
+import decode
 import generate
 from kv import expected
 from kv.expected import ExpectedAttentionCache, ExpectedAttentionPrompt, prerope_queries
@@ -271,8 +272,8 @@ def test_generates_with_a_model_and_quantized_kv():
                                          kv_bits=4)
     model.setup_caches(factory)
     with torch.inference_mode():
-        first = generate.prefill(model, torch.randint(0, 64, (2, 40)), 0.0, None)
-        generate.Decoder(model).decode(first, 40, 19)
+        first = decode.prefill(model, torch.randint(0, 64, (2, 40)), 0.0, None)
+        decode.Decoder(model).decode(first, 40, 19)
     for c in model.caches:
         assert (c.kept() == 16).all() and c.tokens_seen() == 59
         assert torch.isfinite(c.slot_scores(c.seen)).all()

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 import generate
 from cache import POLICIES, PROMPT_COMPRESSORS, make_cache_factory
-from generate import Decoder
+from decode import Decoder
 from kv.policies import KeyDiffCache
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)

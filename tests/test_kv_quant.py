@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 import cache as kvcache
 import kernels
-from generate import Decoder
+from decode import Decoder
 from kernels import Codes, attend, attend_one_query
 from kv.quant import (
     dequantize_channels,

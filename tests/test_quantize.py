@@ -11,6 +11,8 @@ from test_generate import TINY, greedy, tiny_checkpoint, tiny_model  # noqa: F40
 from torch._dynamo.testing import EagerAndRecordGraphs
 
 import cache as kvcache
+import cli
+import decode
 import generate
 import quantize
 from kernels import MAX_REDUCTION_ROWS, dequantize_int4
@@ -107,9 +109,9 @@ def test_quantized_model_is_its_dequantized_weights_and_decodes_compiled_as_eage
 
     prompt = ids[:, :16]
     model.setup_caches(kvcache.make_cache_factory("h2o", 1, TINY, 16, 40, budget=24))
-    eager = greedy(model, generate.Decoder(model), prompt, 32)
+    eager = greedy(model, decode.Decoder(model), prompt, 32)
     torch._dynamo.reset()
-    decoder = generate.Decoder(model, compile=True)
+    decoder = decode.Decoder(model, compile=True)
     greedy(model, decoder, prompt, 4)  # warm-up
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert torch.equal(greedy(model, decoder, prompt, 32), eager)
@@ -136,7 +138,7 @@ def test_quantize_cli_round_trip_and_generate(mode, tiny_checkpoint, tmp_path, c
 
 
 def run_quantize(capsys, *argv: str) -> tuple[int, str]:
-    code = generate.run_cli(quantize.main, list(argv))
+    code = cli.run_cli(quantize.main, list(argv))
     return code, capsys.readouterr().err
 
 
