@@ -71,6 +71,7 @@ from kv.hybrid import HybridCache
 from kv.kvzip import KVzipCache, KVzipPrompt
 from kv.params import Param, choice, flag_help, merge_params, number, whole
 from kv.pool import AdaKVCache
+from kv.posshift import shifted
 from kv.quant import KV_BITS, KV_FLOATS, kv_float_dtype
 from kv.report import cache_report, format_cache_report, format_head_class_report, head_class_report
 from kv.slots import KVCache
@@ -478,11 +479,12 @@ class CacheFactory:
                 compressor.bind(self.tokenizer)
         a = self.model_args
         cls, tiers = (tiered(self.cls), {"tiers": self.tiers}) if self.tiers else (self.cls, {})
+        cls = shifted(cls) if self.pos_shift else cls  # streaming positions, composed like tiers
         cache = cls(self.batch_size, a.n_kv_heads, a.head_dim, self.capacities[layer],
                     n_groups=a.n_heads // a.n_kv_heads, prompt_capacity=self.prompt_capacities[layer],
                     compressor=compressor, layer=layer, dtype=self.dtype, device=self.device,
                     kv_bits=self.kv_bits, kv_group_size=self.kv_group_size if self.kv_bits else None,
-                    kv_dtype=self.kv_dtype, model_args=a, pos_shift=self.pos_shift, **tiers, **self.layer_values[layer])
+                    kv_dtype=self.kv_dtype, model_args=a, **tiers, **self.layer_values[layer])
         if self.tokenizer is not None:
             cache.bind(self.tokenizer)
         return cache

@@ -306,27 +306,30 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor) -> T
 
 # ---- attention ------------------------------------------------------------------------------------------------
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: bool,
-           fuse_one_query: bool = True, channel_blocks: Callable | None = None) -> tuple[Tensor, Tensor | None]:
+           fuse_one_query: bool = True, channel_blocks: Callable | None = None,
+           layout: str = "uniform") -> tuple[Tensor, Tensor | None]:
     """The one attention call site. q: [B, H, S, D]; k, v: [B, H_kv, T, D] (never repeated to H heads).
 
     mask None means causal attention of S queries over the same S keys (prefill on fresh K/V); otherwise
     mask is [B, H_kv, S, T] bool (True = may attend). When want_probs, the probabilities are computed
     explicitly and returned as [B, H_kv, g, S, T] so a cache policy can score its slots per KV head.
 
-    k, v of shape [B, P, D] are a layer's pool shared by its KV heads (kv.pool): see attend_pool. A compiled
-    CPU decode step (one query) takes attend_one_query (attend_pool_one_query) instead of SDPA or matmuls,
-    unless the cache says otherwise (4-bit K/V: KVCache.fuse_one_query); it then reads channel_blocks() instead
-    of k, v where given (KVCache.channel_blocks: 4-bit K/V as two halves of channels).
+    The last three come from the cache (kv.contract.AttentionCache). layout "pool": k, v [B, P, D] are a layer's
+    pool shared by its KV heads (kv.pool): see attend_pool. A compiled CPU decode step (one query) takes
+    attend_one_query (attend_pool_one_query) instead of SDPA or matmuls, unless fuse_one_query is False (4-bit
+    K/V whose codes cannot be read in place); it then reads channel_blocks() instead of k, v where given
+    (quantized codes in place, or 4-bit K/V as two halves of channels).
     """
     B, H, S, D = q.shape
+    pool = layout == "pool"
     if (fuse_one_query and mask is not None and S == 1 and q.device.type == "cpu"
             and torch.compiler.is_compiling()):
-        if k.dim() == 3:
+        if pool:
             return attend_pool_one_query(q, k, v, mask, want_probs)
         if channel_blocks is not None:
             k, v = channel_blocks()
         return attend_one_query(q, k, v, mask, want_probs)
-    if k.dim() == 3:
+    if pool:
         return attend_pool(q, k, v, mask, want_probs)
     n_kv = k.shape[1]
     if not want_probs and k.dtype == q.dtype:
@@ -381,7 +384,7 @@ def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tens
     tokens, whole-step graph: 11.4 -> 9.1 ms; README). probs as attend returns them.
 
     k and v may come as tuples of channel blocks (concatenated along the last dim they are k and v: 4-bit K/V's
-    halves, KVCache.channel_blocks), each block reduced apart, so no reduction reads a concatenation. A block
+    halves, kv.storage's channel_blocks), each block reduced apart, so no reduction reads a concatenation. A block
     given as Codes is read as its codes, its scale and zero point applied per token outside the reductions:
     q . (c s + z) = s (q . c) + z sum(q), and sum_t p (c s + z) = sum_t (p s) c + sum_t p z, so each code is
     converted and multiplied once per query head instead of dequantized once per query head."""

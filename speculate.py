@@ -28,13 +28,12 @@ import torch
 from torch import Tensor, nn
 
 from decode import DecodeCall, Decoder, logits_to_probs, run_block, specialized
+from kv.contract import AttentionCache
 from model import KVFastError, Transformer
 
 
-class Prefill(nn.Module):
+class Prefill(AttentionCache):
     """Stands in for a layer's cache during the prompt: both caches keep the prompt from one forward pass."""
-
-    needs_attention = False
 
     def __init__(self, target: nn.Module, draft: nn.Module):
         super().__init__()

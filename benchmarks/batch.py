@@ -4,9 +4,9 @@ For each --weights mode (quantized in memory as quantize.py writes them) and eac
 prompts of --prompt-len tokens (row i is the same prompt for every B), the `full` cache, --new-tokens greedy tokens
 per row, compiled at the default scope (block on CPU), the median of --repeats after a compiling round. Reported:
 ms per step, total tok/s, the ratio to B = 1 and whether row 0 gives the tokens of its run at B = 1. Each step
-reads the weights once for all rows (model.linear's per-row reductions share each weight load) but every row
+reads the weights once for all rows (kernels.linear's per-row reductions share each weight load) but every row
 its own K/V, so the ratio is bounded by (weights + K/V of one row) / (weights / B + K/V of one row) per row.
-From model.GEMM_MIN_ROWS rows (per weight dtype, where this CPU has a GEMM for it) each --batch-kernels choice is
+From kernels.GEMM_MIN_ROWS rows (per weight dtype, where this CPU has a GEMM for it) each --batch-kernels choice is
 a row of its own: the blocked GEMM the compiled step takes there, and the reductions it replaces.
 """
 

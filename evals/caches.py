@@ -18,7 +18,7 @@ from torch import Tensor, nn
 import cache as kvcache
 from decode import Decoder
 from kv import kvzip
-from kv.pool import PoolCache
+from kv.contract import AttentionCache
 from kv.tiers import DEFAULTS as TIER_FLAG_DEFAULTS
 from kv.tiers import TIER_FLAGS, add_tier_args, resolve_tiers, tier_report
 from model import KVFastError, Transformer
@@ -74,7 +74,7 @@ def tier_fields(caches: list[nn.Module], rows: int) -> dict[str, Any]:
     return {"tier_counters": {k: v if k in TIER_SETTINGS_KEYS else v / rows for k, v in r.items()}}
 
 
-class ShadowCaches(nn.Module):
+class ShadowCaches(AttentionCache):
     """Attention-loss probe for one layer: the model attends to a full cache; policy caches follow every step.
 
     Each follower receives the same tokens and the full attention restricted to its own slots (unnormalised, as
@@ -92,9 +92,9 @@ class ShadowCaches(nn.Module):
     def __init__(self, full: nn.Module, followers: list[nn.Module], total_len: int):
         super().__init__()
         self.full, self.followers = full, nn.ModuleList(followers)
-        self.refresh_interval = getattr(followers[0], "refresh_interval", None)
-        self.compile_refresh = all(getattr(f, "compile_refresh", True) for f in followers)
-        self.tiered_followers = [f for f in followers if getattr(f, "tiered", False)]
+        self.refresh_interval = followers[0].refresh_interval
+        self.compile_refresh = all(f.compile_refresh for f in followers)
+        self.tiered_followers = [f for f in followers if f.tiers is not None]
         schedules = {(f.tiers.page_size, f.tiers.recall_interval) for f in self.tiered_followers}
         if len(schedules) > 1:
             raise ValueError(f"tiered followers flush and recall on different schedules {schedules}")
@@ -125,7 +125,7 @@ class ShadowCaches(nn.Module):
         B, H, g, _ = p.shape
         losses = []
         for f in self.followers:
-            if isinstance(f, PoolCache):  # slots of every head in one pool: gathered by (owner, position)
+            if f.layout == "pool":  # slots of every head in one pool: gathered by (owner, position)
                 kept = f.restrict(p)
             else:
                 index = f.slot_pos.clamp(min=0).unsqueeze(2).expand(B, H, g, -1)
@@ -148,12 +148,11 @@ class ShadowCaches(nn.Module):
             f.recall(q)
 
     def see_tokens(self, idx: Tensor) -> None:
-        for f in self.followers:
-            if hasattr(f, "see_tokens"):  # fastgen (kv.fastgen)
-                f.see_tokens(idx)
+        for f in self.followers:  # fastgen classes tokens by them (kv.fastgen)
+            f.see_tokens(idx)
 
 
-class MultiCache(nn.Module):
+class MultiCache(AttentionCache):
     """Several policies' caches for one layer, decoded as one batch: rows [i B, (i + 1) B) belong to member i.
 
     The members' k, v and slot_pos become views into shared buffers padded to the largest capacity (padding slots
@@ -164,19 +163,19 @@ class MultiCache(nn.Module):
         super().__init__()
         self.members = nn.ModuleList(members)
         self.needs_attention = any(m.needs_attention for m in members)
-        intervals = {getattr(m, "refresh_interval", None) for m in members} - {None}
+        intervals = {m.refresh_interval for m in members} - {None}
         if len(intervals) > 1:
             raise ValueError(f"members refresh at different intervals {intervals}")
         self.refresh_interval = next(iter(intervals), None)
-        self.compile_refresh = all(getattr(m, "compile_refresh", True) for m in members)
+        self.compile_refresh = all(m.compile_refresh for m in members)
         if any(m.kv_bits for m in members):
             raise ValueError("MultiCache shares full-precision K/V buffers; quantized K/V is not batched")
-        if any(isinstance(m, PoolCache) for m in members):
+        if any(m.layout == "pool" for m in members):
             raise ValueError("MultiCache views [B, H_kv, C, D] buffers; a pool cache decodes in a group "
                              "of its own")
-        if any(getattr(m, "pos_shift", False) for m in members):
+        if any(m.pos_shift for m in members):
             raise ValueError("MultiCache returns unrotated shared keys; a --pos-shift cache decodes in a group of its own")
-        if any(getattr(m, "tiered", False) for m in members):
+        if any(m.tiers is not None for m in members):
             raise ValueError("MultiCache neither flushes nor recalls; a tiered cache decodes in a group of its own")
         B, H, _, D = members[0].k.shape
         self.rows = B
@@ -227,7 +226,8 @@ def policy_params(policy: str) -> set[str]:
     """Hyper-parameters a policy and its prompt compressor use (window's recent window is what the budget sets)."""
     cls = kvcache.POLICIES[policy]
     comp = kvcache.PROMPT_COMPRESSORS.get(cls.default_prompt_compressor or "")
-    return (set(cls.params) | set(comp.params if comp else ())) - ({"recent_window"} if policy == "window" else set())
+    return (set(cls.params) | set(comp.params if comp else ())) - ({"recent_window"} if cls.window_fills_capacity
+                                                                   else set())
 
 
 
@@ -308,7 +308,7 @@ class Evaluator:
         last, each alone (the decode loop flushes and recalls the caches it runs; MultiCache does neither), as are
         POLICY+shift combos (MultiCache's shared K/V would need every member's ranks)."""
         tiered = [c for c in combos if c.tiers is not None or c.pos_shift]
-        pool = [c for c in combos if not c.is_full and issubclass(kvcache.POLICIES[c.policy], PoolCache)
+        pool = [c for c in combos if not c.is_full and kvcache.POLICIES[c.policy].layout == "pool"
                 and c not in tiered]
         out = [[c] for c in combos if c.is_full] + [[c] for c in pool]
         combos = [c for c in combos if c not in pool and c not in tiered]
@@ -324,7 +324,7 @@ class Evaluator:
             for c in group:
                 f = self.factory(c, B, prompt_len, max_new)
                 width = max(f.capacities)
-                every = getattr(f(0), "refresh_interval", None) if f.cls.refresh is not kvcache.KVCache.refresh else None
+                every = f(0).refresh_interval if f.cls.refresh is not kvcache.KVCache.refresh else None
                 rows = len(current) + 1
                 too_big = rows * max(widest, width) * slot_bytes > self.args.group_gb * 1e9
                 if current and (too_big or (every and interval and every != interval)):
@@ -361,8 +361,7 @@ class Evaluator:
         self.kvzip_s = kvzip.score_into(self.model, ids[:, :n], kv, caches, memos)
         for c, (q, k, v), memo in zip(caches, kv, memos):
             c.reset()
-            if hasattr(c, "see_tokens"):  # fastgen classes the prompt's tokens (kv.fastgen)
-                c.see_tokens(ids[:, :n])
+            c.see_tokens(ids[:, :n])  # fastgen classes the prompt's tokens (kv.fastgen)
             c.prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], memo=memo)
 
     @staticmethod

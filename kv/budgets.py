@@ -139,7 +139,7 @@ def mark_capacity_dynamic(caches: list[nn.Module]) -> None:
     so the first compile already serves every capacity; what else changes with the capacity (a queue's
     length, a window) becomes dynamic at its first change, by dynamo's automatic dynamic shapes."""
     for c in caches:
-        slots = {c.capacity, getattr(c, "pool_size", c.capacity)} - {0, 1}
+        slots = {c.capacity, c.n_slots} - {0, 1}
         for buffer in c.buffers():
             for dim, size in enumerate(buffer.shape):
                 if size in slots:

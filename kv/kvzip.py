@@ -32,9 +32,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from kernels import cpu, dequantize_int4
+from kv.contract import AttentionCache
 from kv.params import Param, boolean, choice, whole
 from kv.pool import AdaKVCache
 from kv.prompt import PREFILL_BLOCK_ELEMENTS, PromptCompressor
+from kv.slots import KVCache
 from model import KVFastError, Transformer
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
@@ -92,9 +95,10 @@ class KVzipPrompt(PromptCompressor):
 
     def compute_dtype(self, device: torch.device) -> torch.dtype | None:
         """The reconstruction's precision: kvzip_dtype, where auto = bf16 on a GPU or a CPU with AMX tiles (there
-        a bf16 product runs several times faster than fp32; the scores only rank tokens), else the model's."""
+        a bf16 product runs several times faster than fp32; the scores only rank tokens), else the model's. The
+        CPU is the kernels' (kernels.cpu(): KVFAST_CPU / force_cpu choose as on another kind)."""
         if self.kvzip_dtype == "auto":
-            fast = device.type == "cuda" or (device.type == "cpu" and torch.cpu._is_amx_tile_supported())
+            fast = device.type == "cuda" or (device.type == "cpu" and cpu().amx_bf16)
             return torch.bfloat16 if fast else None
         return getattr(torch, self.kvzip_dtype)
 
@@ -118,10 +122,8 @@ class KVzipCache(AdaKVCache):
 
 
 # ---- the reconstruction pass ------------------------------------------------------------------------------
-class Recorder(nn.Module):
+class Recorder(AttentionCache):
     """Stands in for a layer's cache during a prefill: keeps the post-RoPE q, k, v."""
-
-    needs_attention = False
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, memo: dict | None = None) -> None:
         self.q, self.k, self.v = q, k, v
@@ -143,8 +145,6 @@ def record_prefill(model: Transformer, idx: Tensor) -> tuple[list[tuple[Tensor, 
 def dense_weight(module: nn.Module) -> Tensor:
     """A linear layer's weight as floats, whether plain or quantized by quantize.py."""
     if hasattr(module, "offsets"):
-        from kernels import dequantize_int4
-
         return dequantize_int4(module.weight, module.scales, module.offsets)
     if hasattr(module, "scales"):
         return module.weight.float() * module.scales.unsqueeze(-1)
@@ -239,7 +239,7 @@ def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tenso
         cos, sin = model.rope_cos[pos], model.rope_sin[pos]
         x = model.tok_embeddings(ids).float()
         for i, (layer, (_, k_ctx, v_ctx)) in enumerate(zip(model.layers, kv)):
-            h = layer.attention_norm(x).to(dtype or k_ctx.dtype)  # model.linear casts the weights to h's dtype
+            h = layer.attention_norm(x).to(dtype or k_ctx.dtype)  # kernels.linear casts the weights to h's dtype
             q, k, v = layer.attention.project(h, cos, sin)
             k_ctx, v_ctx = k_ctx.to(h.dtype), v_ctx.to(h.dtype)
             row_scale = key_scale = None
@@ -262,7 +262,7 @@ def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tenso
 def kvzip_caches(caches: list[nn.Module]) -> list[nn.Module]:
     """The caches compressing with KVzip among caches and their submodules (eval's wrappers hold several)."""
     return [m for c in caches if c is not None for m in c.modules()
-            if isinstance(getattr(m, "compressor", None), KVzipPrompt)]
+            if isinstance(m, KVCache) and isinstance(m.compressor, KVzipPrompt)]
 
 
 def score_into(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tensor, Tensor]], caches: list[nn.Module],

@@ -11,7 +11,7 @@ Decode (compiled, static shapes): the new token brings H_kv keys, one per KV hea
 the layer with the lowest `slot_scores` across heads (empty slots first; sinks and the recent window, per
 head, never), chosen greedily one at a time so that no head falls below its floor `head_floor`: head h may
 give up at most (slots it owns) + 1 - floor slots in a step. Ownership moves with the slot, so budgets adapt
-while decoding and nothing is reallocated. Attention (model.attend_pool) reads the pool once under the mask
+while decoding and nothing is reallocated. Attention (kernels.attend_pool) reads the pool once under the mask
 slot_head == h. Prefill: when the prompt exceeds B tokens per head the policy's `select_pairs` picks exactly P
 (KV head, token) pairs across heads; they are written head by head in position order.
 
@@ -33,7 +33,8 @@ from torch import Tensor
 
 from kv.params import GQA_REDUCE, N_SINKS, RECENT_WINDOW, Param, boolean, fraction
 from kv.scored import ScoredCache
-from kv.slots import INF, KVCache, put_rows, reduce_groups
+from kv.slots import KVCache, reduce_groups
+from kv.storage import INF, put_rows
 
 TIER = float(2**24)  # choose_slot's gap between eviction tiers
 
@@ -41,6 +42,7 @@ TIER = float(2**24)  # choose_slot's gap between eviction tiers
 class PoolCache(KVCache):
     """The pool mechanics shared by per-head-budget policies (a layout, no paper: see the module doc)."""
 
+    layout = "pool"
     shared_pool = True
     supports_pos_shift = False  # heads hold different counts, so a query would need a rank per KV head: not built
     supports_tiers = False  # a step's H_kv victims may belong to any heads; tiers stage one per head (hybrid does)
@@ -77,25 +79,6 @@ class PoolCache(KVCache):
     def protected_prompt(self) -> int:
         """Last prompt tokens each head keeps at prefill: the compressor's window and the recent window."""
         return max(self.compressor.window if self.compressor is not None else 0, self.recent_window - 1)
-
-    # ---- K/V storage ---------------------------------------------------------------------------------
-    def write_slots(self, slot: Tensor | None, k: Tensor, v: Tensor) -> None:
-        """Store K/V [B, n, D] in pool slots `slot` [B, n] (None: slots 0..n-1), quantized once if kv_bits."""
-        if self.kv_bits:
-            parts = [*self.quantize(k), *self.quantize(v)]
-        else:
-            parts = [k.to(self.kv_dtype), v.to(self.kv_dtype)]
-        for name, value in zip(self.kv_buffers(), parts):
-            buffer = getattr(self, name)
-            if slot is None:
-                buffer[:, : value.shape[1]] = value
-            else:
-                put_rows(buffer, slot, value)
-
-    def quantize(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        from kv.quant import quantize_tokens
-
-        return quantize_tokens(x, self.kv_bits, self.kv_group_size)
 
     def home_slots(self, n: int) -> Tensor:
         """[H_kv * n] slots of the first n tokens of each head in the even split (head-major)."""

@@ -36,7 +36,7 @@ def head_class_report(caches: list[KVCache]) -> list[dict[str, Any]] | None:
     """The per-head classification of hybrid (static / dynamic) or fastgen (its profiles) per layer and row
     (None for other policies): per kind, how many KV heads and the slots they hold, and the heads' kinds as a
     string of the policy's head_letters ("SDD": static, dynamic, dynamic), read once at the end."""
-    if not caches or not all(hasattr(c, "head_classes") for c in caches):
+    if not caches or not all(isinstance(c, KVCache) and c.head_kinds for c in caches):  # eval's wrappers: None
         return None
     out = []
     for c in caches:

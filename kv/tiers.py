@@ -44,7 +44,8 @@ import torch
 from torch import Tensor
 
 from kv.quant import dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens, storage_width
-from kv.slots import INF, KVCache, put_rows
+from kv.slots import KVCache
+from kv.storage import INF, put_rows
 from model import KVFastError
 
 TIER_FLAGS = ("warm_tokens", "warm_bits", "page_size", "recall_slots", "recall_interval", "recall_installs")
@@ -138,7 +139,6 @@ class Tiers:
     """Mixed into an evicting policy by tiered(cls): the policy still chooses what leaves its slots; this keeps it
     (demote), brings it back (recall) and counts every byte that moves. Shapes never change."""
 
-    tiered = True
     supports_pos_shift = False  # recalled pages would need ranks among the hot tokens: not built
 
     def __init__(self, *args, tiers: TierSpec, **kwargs):
@@ -436,7 +436,7 @@ def flush_caches(caches: list) -> None:
 
 def tier_report(caches: list) -> dict[str, int] | None:
     """The tier counters summed over layers (None without tiers), read once at the end."""
-    if not caches or not all(getattr(c, "tiered", False) for c in caches):
+    if not caches or not all(isinstance(c, Tiers) for c in caches):
         return None
     total: dict[str, int] = {}
     for c in caches:
@@ -499,10 +499,8 @@ def add_tier_args(parser, title: str = "KV tiers (demote evicted tokens to a qua
 
 def check_tiers_for(policy: type[KVCache]) -> None:
     """Tiers keep what a policy evicts, one victim per KV head and step (the uniform layout, hybrid's pool)."""
-    from kv.policies import FullCache
-
-    if policy is FullCache:
-        raise KVFastError("tier flags (--warm-tokens, ...) are not used by --cache full: it never evicts")
+    if not policy.compresses:
+        raise KVFastError(f"tier flags (--warm-tokens, ...) are not used by --cache {policy.name}: it never evicts")
     if not policy.supports_tiers:
         raise KVFastError(f"tier flags (--warm-tokens, ...) do not apply to --cache {policy.name}: its pool moves "
                           "slots between KV heads as it evicts, and tiers keep one victim per head and step "

@@ -118,7 +118,8 @@ def test_cache_invariants(policy, data):
         if cache.refresh_interval and t % cache.refresh_interval == 0:  # as generate.Decoder does
             cache.refresh()
         k_all, v_all, mask = cache.update(torch.tensor([t]), randn(B, Hkv, 1, D), randn(B, Hkv, 1, D))
-        _, probs = attend(randn(B, H, 1, D), k_all, v_all, mask, want_probs=cache.needs_attention)
+        _, probs = attend(randn(B, H, 1, D), k_all, v_all, mask, want_probs=cache.needs_attention,
+                          layout=cache.layout)
         if probs is not None:
             cache.observe(probs)
         check(cache, t)
@@ -201,10 +202,10 @@ def test_rows_evict_independently(policy):
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("layout", ["slots", "pool", "strided view"])
 def test_put_rows_writes_exactly_the_rows_scatter_would(layout, compiled):
-    """kv.slots.put_rows (the decode write: in place, never a copy of the whole buffer) == scatter_ along the slot
+    """kv.storage.put_rows (the decode write: in place, never a copy of the whole buffer) == scatter_ along the slot
     dimension, for the uniform layout [B, H, C, W], the pool [B, P, W], a strided view (eval's MultiCache) and a
     row shape of two dims (warm pages [B, H, pages, P, W])."""
-    from kv.slots import put_rows
+    from kv.storage import put_rows
 
     g = torch.Generator().manual_seed(0)
     shapes = {"slots": ((2, 3, 10, 4), 2), "pool": ((2, 12, 4), 3), "strided view": ((2, 3, 16, 4), 2)}

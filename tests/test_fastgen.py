@@ -134,7 +134,7 @@ def test_decoding_keeps_what_the_profile_keeps(profile):
         before = head_positions(cache)
         cache.see_tokens(ids[:, t : t + 1])
         k_all, v_all, mask = cache.update(torch.tensor([t]), torch.randn(B, 2, 1, 8), torch.randn(B, 2, 1, 8))
-        _, probs = attend(torch.randn(B, 4, 1, 8, generator=gen), k_all, v_all, mask, want_probs=True)
+        _, probs = attend(torch.randn(B, 4, 1, 8, generator=gen), k_all, v_all, mask, want_probs=True, layout=cache.layout)
         cache.observe(probs)
         assert torch.equal(cache.kept(), budgets)
         after = head_positions(cache)

@@ -165,7 +165,7 @@ def test_static_heads_keep_heavy_hitters_dynamic_heads_the_recent_window():
         before_score, before = cache.score.clone(), head_positions(cache)
         new_k, new_v = torch.randn(B, 2, 1, 8, generator=gen), torch.randn(B, 2, 1, 8, generator=gen)
         k_all, v_all, mask = cache.update(torch.tensor([t]), new_k, new_v)
-        _, probs = attend(torch.randn(B, 4, 1, 8, generator=gen), k_all, v_all, mask, want_probs=True)
+        _, probs = attend(torch.randn(B, 4, 1, 8, generator=gen), k_all, v_all, mask, want_probs=True, layout=cache.layout)
         cache.observe(probs)
         assert torch.equal(cache.kept(), budget)
         after = head_positions(cache)

@@ -9,6 +9,7 @@ from cache_testing import kvzip_prefill, single_thread_fixture, tiny_model
 
 import generate
 from cache import make_cache_factory
+from kernels import force_cpu
 from kv import kvzip
 from model import KVFastError
 
@@ -101,12 +102,13 @@ def test_bf16_reconstruction_ranks_like_fp32():
         assert min(shared) >= 0.8 * S // 2
 
 
-def test_auto_dtype_follows_the_cpu(monkeypatch):
+def test_auto_dtype_follows_the_cpu():
+    """auto reads the kernels' CPU, so KVFAST_CPU / force_cpu govern it like every other CPU choice."""
     comp = kvzip.KVzipPrompt(kvzip_dtype="auto")
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert comp.compute_dtype(torch.device("cpu")) == torch.bfloat16
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert comp.compute_dtype(torch.device("cpu")) is None  # the model's own dtype
+    with force_cpu("amx"):
+        assert comp.compute_dtype(torch.device("cpu")) == torch.bfloat16
+    with force_cpu("avx512-bf16"):  # bfloat16 dot products, but no AMX tiles
+        assert comp.compute_dtype(torch.device("cpu")) is None  # the model's own dtype
     assert kvzip.KVzipPrompt().compute_dtype(torch.device("cpu")) == torch.float32
 
 

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 import generate
 from cache import PROMPT_COMPRESSORS, make_cache_factory
+from kernels import attend, halves_product
 from kv.pool import AdaKVCache, adakv_budgets
-from model import attend, halves_product
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 
@@ -86,7 +86,7 @@ def test_pool_invariants(cfg):
     for t in range(S, S + cfg["steps"]):
         k_all, v_all, mask = cache.update(torch.tensor([t]), randn(B, Hkv, 1, D), randn(B, Hkv, 1, D))
         assert mask.shape == (B, Hkv, 1, cache.pool_size) and mask[:, :, 0].sum(1).max() <= 1
-        _, probs = attend(randn(B, H, 1, D), k_all, v_all, mask, want_probs=True)
+        _, probs = attend(randn(B, H, 1, D), k_all, v_all, mask, want_probs=True, layout=cache.layout)
         assert torch.isfinite(probs).all()  # every head holds at least its new token
         cache.observe(probs)
         check_pool(cache, t)
@@ -185,7 +185,7 @@ def test_compiled_equals_eager_over_1000_steps_and_other_prompt_lengths():
 
 @pytest.mark.parametrize("layout", ["uniform", "pool"])
 def test_one_query_attention_compiled_equals_the_matmul_path(layout):
-    """The compiled CPU decode step's fused one-query attention (model.attend_one_query / attend_pool_one_query:
+    """The compiled CPU decode step's fused one-query attention (kernels.attend_one_query / attend_pool_one_query:
     a pool slot scored only by its owner's query heads) == attend's matmul path: outputs and the probabilities
     a policy observes, with empty slots and a head that owns nothing in one row."""
     gen = torch.Generator().manual_seed(0)
@@ -202,8 +202,8 @@ def test_one_query_attention_compiled_equals_the_matmul_path(layout):
         held = torch.rand(B, T, generator=gen) > 0.2
         held[1, -1] = False
         mask = ((owner.unsqueeze(1) == torch.arange(n_kv).view(1, -1, 1)) & held.unsqueeze(1)).unsqueeze(2)
-    out, probs = attend(q, k, v, mask, want_probs=True)
-    fused = torch.compile(lambda *a: attend(*a, want_probs=True), fullgraph=True, backend="inductor")
+    out, probs = attend(q, k, v, mask, want_probs=True, layout=layout)
+    fused = torch.compile(lambda *a: attend(*a, want_probs=True, layout=layout), fullgraph=True, backend="inductor")
     fused_out, fused_probs = fused(q, k, v, mask)
     rows = slice(None) if layout == "uniform" else slice(0, 1)  # row 1's head 2 attends to nothing: NaN either way
     torch.testing.assert_close(fused_out[rows], out[rows])

@@ -202,7 +202,7 @@ def test_eval_reads_a_ppl_window_past_the_models_length(tmp_path):
         segments = sum(m[f"nll_seg@{p}"] * (p - max(q - 1, 0) - 1) for q, p in zip([0, *range(100, 600, 100)],
                                                                               range(100, 601, 100)))
         assert segments == pytest.approx(m["nll@600"] * 599, rel=1e-6)
-    import evalreport
+    from evals import report as evalreport
 
     files = evalreport.plots(records, tmp_path / "out")
     assert (tmp_path / "out" / "ppl_by_position.png") in files

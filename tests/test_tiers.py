@@ -19,9 +19,10 @@ from torch import Tensor
 import generate
 from cache import make_cache_factory
 from generate import Decoder
+from kernels import attend
 from kv.quant import dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens, storage_width
 from kv.tiers import tier_report
-from model import KVFastError, attend
+from model import KVFastError
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 B, H_KV, G, D = 2, 2, 2, 8
@@ -39,7 +40,7 @@ POLICY_PARAMS = {
 
 def managed_positions(c) -> list[list[list[int]]]:
     """Per (row, KV head), the positions in the policy's slots (not the recall slots), either layout."""
-    if c.slot_pos.dim() == 3:
+    if c.layout == "uniform":
         return [[[p for p in h.tolist() if p >= 0] for h in row] for row in c.slot_pos[..., : c.capacity - c.recall_slots]]
     pos, head = c.slot_pos[:, : c.policy_pool], c.slot_head[:, : c.policy_pool]
     return [[[p for p, o in zip(pos[b].tolist(), head[b].tolist()) if p >= 0 and o == h] for h in range(H_KV)]
@@ -97,7 +98,7 @@ class Driver:
                 gone = len(before[b][h] - after[b][h])
                 self.demoted += gone
                 self.staged[b, h] += gone
-        _, probs = attend(q, k_all, v_all, mask, want_probs=True)
+        _, probs = attend(q, k_all, v_all, mask, want_probs=True, layout=c.layout)
         if c.needs_attention:
             c.observe(probs)
         self.t += 1
@@ -368,8 +369,8 @@ def test_bench_interleaves_the_plain_and_the_tiered_step():
     for each, nothing recompiled after the first round."""
     from torch._dynamo.utils import counters
 
-    from benchtiers import interleaved_steps
-    from evalcaches import TIER_DEFAULTS, TIER_FLAGS
+    from benchmarks.tiers import interleaved_steps
+    from evals.caches import TIER_DEFAULTS, TIER_FLAGS
 
     model = tiny_model()
     tiers = {k: TIER_DEFAULTS[k] for k in TIER_FLAGS}
