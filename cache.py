@@ -453,7 +453,7 @@ class CacheFactory:
                               f"KV heads = {floor * heads}")
 
     def _drop_interval(self, n_sinks: int) -> int:
-        """One re-ranking interval m for all layers (generate.Decoder reads layer 0's): a queue of m slots
+        """One re-ranking interval m for all layers (decode.Decoder reads layer 0's): a queue of m slots
         that stay evictable until the next refresh: at most C - n_sinks - (recent_window - 1) per layer.
         A fraction (the default 0.5) is clamped to that; a number of steps that exceeds it is an error."""
         managed = [c - self.recall_slots for c in self.capacities]

@@ -213,7 +213,7 @@ def isa_probes(root: Path) -> set[Path]:
 def trust_cpu_vector_flags() -> None:
     """Let Inductor take its vector ISA from the CPU's flags instead of compiling and dlopen-ing a probe library
     per ISA in every process (3.3 s cold, 0.5 s warm per ISA on a 2-core AVX2 EPYC; h2o's cold block-scope
-    compile 17.5 -> 9.0 s: README). Only where ATen itself runs AVX2 / AVX-512 kernels on this machine (so CPU
+    compile 17.5 -> 9.0 s: docs/compile.md). Only where ATen itself runs AVX2 / AVX-512 kernels on this machine (so CPU
     and OS support them); KVFAST_PROBE_VEC_ISA=1 keeps Inductor's probe."""
     from torch._inductor import config
 
@@ -229,7 +229,7 @@ def guard_free(compiled: Callable, *args: Any) -> Callable | None:
     passes). For calls that keep passing those guards (a decode call's later steps: same caches, shapes and
     strides): the lookup evaluates guards on every weight and cache buffer of every layer, ~1 ms of a 7.5 ms int8
     step at 512 tokens, where torch.compiler.set_stance(skip_guard_eval_unsafe=True) still checks every tensor
-    (README). Nothing notices if a later call would fail those guards: the caller must know it cannot."""
+    (docs/speed.md). Nothing notices if a later call would fail those guards: the caller must know it cannot."""
     fn = getattr(compiled, "_torchdynamo_orig_callable", None)
     if not isinstance(fn, types.FunctionType):
         return None

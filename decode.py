@@ -33,7 +33,7 @@ def configure_torch(compile: bool, dynamic_capacity: bool = False) -> None:
     if compile:
         trust_cpu_vector_flags()
         # Inductor otherwise keeps a value cast down and back up in fp32 inside a fused kernel, and bfloat16 K/V's
-        # one-query attention (model.attend_one_query) would skip the roundings that make it agree with the
+        # one-query attention (kernels.attend_one_query) would skip the roundings that make it agree with the
         # bfloat16 matmuls of eager steps and of a speculative verification
         inductor_config.emulate_precision_casts = True
         # a float a module attribute held with another value in an earlier compile (an eps, a policy's parameter)
@@ -157,7 +157,7 @@ WORK = {(work, per_layer): specialized(cache_work if per_layer else caches_work,
 
 def compiles_refresh(model: Transformer) -> bool:
     """False where the policy says compiling its refresh does not pay (KVCache.compile_refresh)."""
-    return getattr(model.caches[0], "compile_refresh", True)
+    return model.caches[0].compile_refresh
 
 
 def refresh_as_compiled(compiled: Callable[[Transformer], None]) -> Callable[[Transformer], None]:
@@ -182,7 +182,7 @@ def default_compile_mode(device: str) -> str:
 
 def default_compile_scope(device: str) -> str:
     """block on CPU: the step with one nested compile region for every layer compiles many times faster cold than
-    the fully traced step and decodes as fast (README, "Compile latency"); step on CUDA, where its cost was measured."""
+    the fully traced step and decodes as fast (docs/compile.md); step on CUDA, where its cost was measured."""
     return "step" if device.startswith("cuda") else "block"
 
 
@@ -310,11 +310,11 @@ class Decoder:
             self.steps = self.block_steps[len(shapes) > 1]
 
     def refresh_interval(self) -> int | None:
-        return getattr(self.model.caches[0], "refresh_interval", None)
+        return self.model.caches[0].refresh_interval
 
     def tiers(self) -> TierSpec | None:
         """The caches' tiers (kv.tiers)."""
-        return getattr(self.model.caches[0], "tiers", None)
+        return self.model.caches[0].tiers
 
     def schedule(self) -> Schedule:
         return Schedule(self.refresh_interval(), self.tiers())

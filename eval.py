@@ -22,7 +22,7 @@ second chunk through the decode step; query-aware prefills context + question to
 Speed: each batch of samples is prefilled once; every layer's (q, k, v) is recorded and replayed into each
 policy's caches with `cache.prefill(q, k, v, memo)` (prefill attention never reads the cache; `memo` keeps the
 budget-independent prompt statistics), so a policy/budget pair costs only its decode steps. Samples of a cell
-share one batch. Decoding is generate.Decoder's (optionally compiled) step. Results go to --out: results.json,
+share one batch. Decoding is decode.Decoder's (optionally compiled) step. Results go to --out: results.json,
 summary.md and plots; reruns skip finished cells.
 
 Tiers: POLICY+warm in --policies (e.g. `--policies h2o h2o+warm --budgets 0.25`) is the same policy and budget with

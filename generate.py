@@ -27,12 +27,11 @@ from cli import (
     run_cli,
 )
 from compilecache import CompileCache, dynamo_count, graph_count
-from decode import (  # noqa: F401 -- prefill: still imported from generate by older callers
+from decode import (
     COMPILE_MODES,
     COMPILE_SCOPES,
     Decoder,
     configure_torch,
-    prefill,
     synchronize,
     truncate_at_stop,
 )

@@ -53,7 +53,7 @@ class CPU:
     @property
     def bf16_dot(self) -> bool:
         """bfloat16 dot products in hardware (AVX512-BF16 or AMX tiles): bfloat16 products run ~2.5x fp32's
-        speed there (README); elsewhere they are emulated, slower than fp32."""
+        speed there (docs/speed.md); elsewhere they are emulated, slower than fp32."""
         return self.avx512_bf16 or self.amx_bf16
 
     def flags(self) -> list[str]:
@@ -149,7 +149,7 @@ def cpu_report() -> str:
 
 # ---- linear layers --------------------------------------------------------------------------------------------
 # Rows up to which a compiled CPU matmul is written as multiply-and-sum reductions (a batch of one-token rows,
-# speculate.py's verification). Measured on an AVX-512 CPU (README, "Batched decode"): with int8 / bfloat16
+# speculate.py's verification). Measured on an AVX-512 CPU (docs/scaling.md, "Batched decode"): with int8 / bfloat16
 # weights the fused reductions beat F.linear (which converts the whole weight per call) 3-8x at 1-16 rows; with
 # fp32 weights they win up to ~8 rows and break even at 16. A batch of one-token rows takes batched_linear's
 # blocked GEMM before that where this CPU has one (gemm_min_rows).
@@ -161,7 +161,7 @@ def gemm_min_rows(chip: CPU | None = None) -> dict[torch.dtype, int]:
     reductions for a blocked GEMM (batched_linear), where `chip` (default: cpu()) has a fast one: oneDNN's packed
     fp32 GEMM wherever oneDNN is built in; the bfloat16 and int8 ones multiply bfloat16 activations, which only
     CPUs with bfloat16 dot products run natively. The rows: crossovers measured on an AVX-512 CPU with
-    SmolLM2-135M (README, "Batched decode"): the reductions are bound by their fp32 multiply-adds from ~4 rows,
+    SmolLM2-135M (docs/scaling.md, "Batched decode"): the reductions are bound by their fp32 multiply-adds from ~4 rows,
     the GEMM costs about the same at 5 to 8 rows. A verification's tokens of one sequence keep the reductions:
     each must equal its one-token step bit for bit."""
     chip = chip or cpu()
@@ -342,7 +342,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     # the g query heads of a KV head as g * S rows of one matmul: broadcasting k, v over g would copy them. K/V
     # in bfloat16 under float queries (--kv-float bfloat16): both products in bfloat16, as a bfloat16 model's
     # attention (fp32 accumulation, bfloat16 scores and output; softmax in fp32), 2.5x an fp32 matmul's speed
-    # over 4096 slots where the CPU has bfloat16 dot products (README); attend_one_query rounds alike
+    # over 4096 slots where the CPU has bfloat16 dot products (docs/speed.md); attend_one_query rounds alike
     qg = q.to(k.dtype).reshape(B, n_kv, g * S, D)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float().view(B, n_kv, g, S, -1) * (1.0 / math.sqrt(D))
     if mask is None:
@@ -381,7 +381,7 @@ def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tens
     SDPA's CPU kernel (and a matmul's, when a policy wants the probabilities) has a fixed cost per call that
     dwarfs one query's work (3 KV heads x 512 keys: ~90 us for ~1 MB of K/V) and splits the step's graph at
     every layer; as reductions Inductor fuses the attention into the layer's kernels (int8 decode step at 512
-    tokens, whole-step graph: 11.4 -> 9.1 ms; README). probs as attend returns them.
+    tokens, whole-step graph: 11.4 -> 9.1 ms; docs/speed.md). probs as attend returns them.
 
     k and v may come as tuples of channel blocks (concatenated along the last dim they are k and v: 4-bit K/V's
     halves, kv.storage's channel_blocks), each block reduced apart, so no reduction reads a concatenation. A block

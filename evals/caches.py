@@ -82,7 +82,7 @@ class ShadowCaches(AttentionCache):
     1 - sum of the full attention over the tokens it still holds, averaged over heads.
 
     Tiered followers (kv.tiers) are flushed and recall as they would alone: `tiers` is theirs, so
-    generate.Decoder calls flush() every page_size positions and recalls on its schedule; recall(q) runs their
+    decode.Decoder calls flush() every page_size positions and recalls on its schedule; recall(q) runs their
     recall with the model's query before the step's update. A token in a follower's recall slots is held, so
     its loss is the attention mass on what is neither hot nor recalled. All tiered followers of one shadow
     share one schedule (page size and recall interval); untiered ones are never flushed nor recall."""
@@ -376,7 +376,7 @@ class Evaluator:
             for b, s in zip(self.state(c), saved):
                 b.copy_(s)
 
-    # -- decoding (all through generate.Decoder)
+    # -- decoding (all through decode.Decoder)
     def feed(self, chunk: Tensor, start_pos: int) -> Tensor:
         """Extend the caches by a chunk (teacher-forced steps); the logits after its last token [B, 1, V]."""
         last: list[Tensor] = []

@@ -126,7 +126,7 @@ def bucket_capacity(slots: int, buckets: tuple[int, ...] | int | None, limit: in
     return max(slots, min(size, limit))
 
 
-# --dynamic-capacity (generate.Decoder): dynamo keeps module buffers (and the ints of a module) static by default,
+# --dynamic-capacity (decode.Decoder): dynamo keeps module buffers (and the ints of a module) static by default,
 # so a new prompt length (a new capacity) would compile the step again. These let the slot dimension, and ints
 # such as a recent window resolved from it, be symbolic: capacity_buckets' other answer to shapes that multiply
 # compiles.

@@ -105,7 +105,7 @@ class KVzipPrompt(PromptCompressor):
     def scores(self, q: Tensor, k: Tensor, memo: dict | None = None) -> Tensor:
         if memo is None or self.memo_key() not in memo:
             raise KVFastError("kvzip scores the prompt with a reconstruction pass of the whole model: prefill "
-                              "through kv.kvzip.prefill (generate.prefill does), not layer by layer")
+                              "through kv.kvzip.prefill (decode.prefill does), not layer by layer")
         return memo[self.memo_key()]
 
 

@@ -136,7 +136,7 @@ class ScissorhandsCache(ScoredCache):
     name = "scissorhands"
     needs_attention = True
     # two sorts per layer every drop_interval steps: eager they run faster than compiled (30 layers at 50 % of
-    # 512 / 2048 tokens: 25 vs 43 ms, 94 vs 146 ms on a 2-core AVX2 EPYC) and cost no compile (README)
+    # 512 / 2048 tokens: 25 vs 43 ms, 94 vs 146 ms on a 2-core AVX2 EPYC) and cost no compile (docs/speed.md)
     compile_refresh = False
     params = (N_SINKS, RECENT_WINDOW(10),
               Param("history_window", 400, "steps of attention history counted per token", check=whole(1)),

@@ -30,7 +30,7 @@ def kv_float_dtype(choice: str, device: str | torch.device, verifies: bool = Fal
     """--kv-float: auto is float16 (llama.cpp's cache; a one-query step reads it at bfloat16's speed without
     rounding its attention), except for a speculative verification (verifies: K + 1 queries a step) on a CPU with
     bfloat16 dot products (kernels.cpu(): AVX512-BF16 or AMX tiles), where attention's bfloat16 products run 2.5x
-    fp32's over a 4096-token cache (README) and bfloat16 is chosen."""
+    fp32's over a 4096-token cache (docs/speed.md) and bfloat16 is chosen."""
     if choice == "auto":
         fast = verifies and torch.device(device).type == "cpu" and cpu().bf16_dot
         return torch.bfloat16 if fast else torch.float16

@@ -101,7 +101,7 @@ class SlotStorage(AttentionCache):
     def fuse_one_query(self) -> bool:
         """May a compiled CPU decode step attend through kernels.attend_one_query? Its fused reductions dequantize
         8-bit codes in place, and 4-bit ones as two halves of channels (channel_blocks); where those cannot be
-        had, unpacking 4-bit codes into one tensor there costs 1.4x SDPA over the unpacked K/V (README)."""
+        had, unpacking 4-bit codes into one tensor there costs 1.4x SDPA over the unpacked K/V (docs/speed.md)."""
         return self.kv_bits != 4 or self.channel_blocks is not None
 
     @property

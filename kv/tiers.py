@@ -14,7 +14,7 @@ COLD  a page the ring overwrites (the oldest) is dropped and counted.
 
 Per decode step, inside the compiled step, the policy's victim is copied in the hot format to a staging page
 (column = position mod P; an empty victim leaves its column empty). Every P steps the loop calls flush(), compiled
-separately: each (row, head)'s staged tokens become one warm page. On recall steps (generate.Decoder: the
+separately: each (row, head)'s staged tokens become one warm page. On recall steps (decode.Decoder: the
 first step of every decode call, every token of a fed chunk such as a question, and every --recall-interval
 positions while generating) each layer scores its warm pages against the current query before it
 attends: Quest's bound sum over channels of max(q kmin, q kmax), max over the GQA group; the top R / P pages
@@ -60,7 +60,7 @@ WARM_BITS = (8, 4)
 # the keys recall installs (code x scale + zero with codes in [0, top])
 WARM_SCALE_DTYPE = torch.float16
 # what a tier flag left out means (--warm-tokens turns tiers on; eval's +warm combos default it to 1.0). Measured on
-# query-agnostic passkey and niah_multikey (2048 tokens, h2o and window at 25 %; README, "Tiers"): pages of 4
+# query-agnostic passkey and niah_multikey (2048 tokens, h2o and window at 25 %; docs/tiers.md): pages of 4
 # tokens (16 caught half a needle and missed the digits that follow), three quarters of the hot budget for
 # recall, and a recall at every step (a 7-digit value crosses pages while it is being copied; every 4 steps lost it).
 # A recall installs at most a quarter of the recall pages (the best misses; hits stay): on 16 of those samples every
@@ -272,7 +272,7 @@ class Tiers:
         """Copy the token in slot [B, H_kv] (about to be overwritten) to its head's staging page, in column
         position mod P (an empty victim leaves its column empty: position -1). The column comes from the
         position, not from a count of victims, so staging is three copies and no bookkeeping; flush() runs every
-        P positions (generate.Decoder does), before a column comes round again."""
+        P positions (decode.Decoder does), before a column comes round again."""
         B, H = slot.shape
         victim = self.take_slots(self.slot_pos, slot)  # [B, H, 1]
         column = (input_pos.view(1, 1, 1) % self.page_size).expand(B, H, 1)

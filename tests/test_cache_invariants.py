@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache import POLICIES, PROMPT_COMPRESSORS, make_cache_factory
-from generate import Decoder, prefill
+from decode import Decoder, prefill
 from kernels import attend
 from kv.policies import FullCache
 from kv.pool import PoolCache
@@ -115,7 +115,7 @@ def test_cache_invariants(policy, data):
         window = set(range(S - cache.compressor.window, S))
         assert all(window <= set(head) for row in head_positions(cache) for head in row)
     for t in range(S, S + cfg["steps"]):
-        if cache.refresh_interval and t % cache.refresh_interval == 0:  # as generate.Decoder does
+        if cache.refresh_interval and t % cache.refresh_interval == 0:  # as decode.Decoder does
             cache.refresh()
         k_all, v_all, mask = cache.update(torch.tensor([t]), randn(B, Hkv, 1, D), randn(B, Hkv, 1, D))
         _, probs = attend(randn(B, H, 1, D), k_all, v_all, mask, want_probs=cache.needs_attention,

@@ -131,7 +131,7 @@ def test_repeat_prompt_uses_the_chat_template(tiny_checkpoint):
 
 
 def test_prefill_keeps_the_top_scored_tokens_per_head():
-    """generate.prefill with KVzip compressing for a uniform cache: every layer and KV head keeps its sinks and
+    """decode.prefill with KVzip compressing for a uniform cache: every layer and KV head keeps its sinks and
     top reconstruction scores, and the logits are the plain prefill's."""
     model = tiny_model(4)
     S, kept, new = 40, 12, 4

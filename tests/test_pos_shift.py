@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import generate
 from cache import make_cache_factory
-from generate import Decoder
+from decode import Decoder
 from model import Transformer, apply_rope, rope_tables
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 import generate
 from cache import make_cache_factory
-from generate import Decoder
+from decode import Decoder
 from kernels import attend
 from kv.quant import dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens, storage_width
 from kv.tiers import tier_report
@@ -59,7 +59,7 @@ def tier_cache(policy: str, S: int, steps: int, budget: int, *, page: int = 4, r
 
 
 class Driver:
-    """Feeds a cache as the model and generate.Decoder do (prefill; per step: refresh and flush on schedule,
+    """Feeds a cache as the model and decode.Decoder do (prefill; per step: refresh and flush on schedule,
     recall when asked, update, attend, observe), keeping every token's original K/V and counting on its own:
     tokens demoted, pages flushed, recall misses."""
 
