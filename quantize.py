@@ -13,7 +13,7 @@ grid of 32 columns, so int4 with --group-size 32 loses almost nothing on them (b
 
 Decoding reads every weight once per token, so it is memory-bound: int8 reads a quarter of fp32's bytes and
 int4 about a fifth, though on a CPU unpacking int4 costs more compute than it saves in bytes (int8 decodes
-fastest here; see the README). Inside the compiled decode step the dequantization is part of kernels.linear's
+fastest here; see docs/speed.md). Inside the compiled decode step the dequantization is part of kernels.linear's
 multiply-and-sum (Inductor fuses it into the reduction), so no fp32 copy of a weight is ever materialized;
 prefill and eager decoding dequantize a layer's weight on the fly.
 
@@ -92,6 +92,8 @@ def quantize_model(model: Transformer, mode: str, group_size: int = 32) -> Trans
             new.weight = lin.weight.to(torch.bfloat16)
         else:
             new.weight, new.scales, new.offsets = quantize_int4(lin.weight, group_size)
+        if lin.bias is not None:  # qwen2's q / k / v biases stay in the compute dtype
+            new.bias = lin.bias.detach().clone()
         setattr(parent, name, new.to(lin.weight.device, dtype))
     heads = [("tok_embeddings", model.tok_embeddings)] + ([("output", model.output)] if model.output else [])
     for name, head in heads:

@@ -57,6 +57,8 @@ LLAMA3_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# Qwen2 / Qwen2.5 (llama.cpp "qwen2", tokenizer.json's Split regex): Llama 3's with single digits; NFC first.
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
 STOP_TOKEN_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>")
 
@@ -90,10 +92,10 @@ def chat_format_from_template(template: str | None) -> tuple[str, str | None]:
     if not template:
         return "none", None
     if "<|im_start|>" in template:
-        # SmolLM2 / Qwen inject a system message when none is given; the template holds it literally.
-        m = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", template, re.DOTALL)
-        default = m.group(1) if m and not re.search(r"[{}'+]", m.group(1)) else None
-        return "chatml", default
+        # SmolLM2 / Qwen inject a system message when none is given; the template holds it literally, as the
+        # one system turn whose text has no Jinja in it (Qwen's tools branch opens a system turn first).
+        m = re.search(r"<\|im_start\|>system(?:\n|\\n)([^{}'+<]*?)<\|im_end\|>", template)
+        return "chatml", m.group(1) if m else None
     if "<|start_header_id|>" in template:
         return "llama3", None
     if "[INST]" in template:
@@ -206,14 +208,13 @@ class TiktokenTokenizer(Tokenizer):
         return ranks
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
-        if self._normalizer == "NFC":
-            text = unicodedata.normalize("NFC", text)
         ids = [self.bos_id] if bos and self.bos_id is not None else []
         for i, piece in enumerate(self._split_special(text)):
             if i % 2:
                 ids.append(self.special_tokens[piece])
-            elif piece:
-                ids.extend(self._ordinary(piece))
+            elif piece:  # normalized after special tokens are split off, as Hugging Face tokenizers does
+                ids.extend(self._ordinary(unicodedata.normalize("NFC", piece) if self._normalizer == "NFC"
+                                          else piece))
         return ids
 
     def decode(self, ids: list[int]) -> str:

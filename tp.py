@@ -125,8 +125,9 @@ def _ffn_unit(model: Transformer) -> int:
 
 
 def take_rows(linear: nn.Module, rows: Tensor) -> None:
-    """Keep output rows `rows` of a float, bf16, int8 or int4 linear (its weight and per-row scales / offsets)."""
-    for name in ("weight", "scales", "offsets"):
+    """Keep output rows `rows` of a float, bf16, int8 or int4 linear (its weight, per-row scales / offsets and
+    bias: qwen2's q / k / v biases go with their rows)."""
+    for name in ("weight", "scales", "offsets", "bias"):
         t = getattr(linear, name, None)
         if t is not None:
             _set(linear, name, t[rows].contiguous())
@@ -135,6 +136,8 @@ def take_rows(linear: nn.Module, rows: Tensor) -> None:
 
 def take_columns(linear: nn.Module, start: int, end: int) -> None:
     """Keep input columns [start, end) (int4: unpacked, sliced and packed again, groups kept whole)."""
+    if getattr(linear, "bias", None) is not None:  # every rank would add it before the all-reduce sums them
+        raise KVFastError("tensor parallelism cannot split the input columns of a linear layer with a bias")
     weight = linear.weight
     offsets = getattr(linear, "offsets", None)
     if offsets is not None:

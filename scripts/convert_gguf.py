@@ -1,4 +1,4 @@
-"""Convert a llama-architecture GGUF file (any quantization gguf can dequantize) into a checkpoint folder.
+"""Convert a llama or qwen2 GGUF file (any quantization gguf can dequantize) into a checkpoint folder.
 
     python scripts/convert_gguf.py --gguf model.gguf --out checkpoints/name
 
@@ -18,13 +18,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tokenizer.py 
 import tokenizer as tok
 from scripts.convert_hf_checkpoint import check_shapes, fail, save_checkpoint
 
-# llama.cpp's tokenizer.ggml.pre names -> our single tiktoken regex (see tokenizer.py for the digit rule).
+# llama.cpp's tokenizer.ggml.pre names -> our single tiktoken regex (see tokenizer.py for the digit rule) and
+# the normalizer Hugging Face's tokenizer of that family applies first.
 PRE_TOKENIZERS = {
-    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell"), tok.DIGITS_GPT2_PATTERN),
-    **dict.fromkeys(("gpt-2", "gpt2"), tok.GPT2_PATTERN),
-    **dict.fromkeys(("llama-bpe", "llama3"), tok.LLAMA3_PATTERN),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell"), (tok.DIGITS_GPT2_PATTERN, None)),
+    **dict.fromkeys(("gpt-2", "gpt2"), (tok.GPT2_PATTERN, None)),
+    **dict.fromkeys(("llama-bpe", "llama3"), (tok.LLAMA3_PATTERN, None)),
+    "qwen2": (tok.QWEN2_PATTERN, "NFC"),
 }
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 3, 4, 5
+# general.architecture -> whether llama.cpp permuted its q / k rows (llama's interleaved RoPE pairs; qwen2
+# keeps Hugging Face's rotate-half layout: llama.cpp runs it with NEOX RoPE)
+ARCHITECTURES = {"llama": True, "qwen2": False}
 
 
 def read_gguf(path: Path):
@@ -82,37 +87,46 @@ def rope_scaling_from_freqs(freqs: np.ndarray, head_dim: int, rope_base: float) 
 
 def gguf_config(reader, tensors: dict) -> dict:
     arch = field(reader, "general.architecture")
-    if arch != "llama":
-        fail(f"unsupported GGUF architecture {arch!r} (only llama)")
-    n_heads = int(field(reader, "llama.attention.head_count"))
-    dim = int(field(reader, "llama.embedding_length"))
-    head_dim = int(field(reader, "llama.attention.key_length", dim // n_heads))
-    rope_base = float(field(reader, "llama.rope.freq_base", 10000.0))
-    scaling_type = field(reader, "llama.rope.scaling.type", "none")
+    if arch not in ARCHITECTURES:
+        fail(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+
+    def meta(key: str, default=None):
+        return field(reader, f"{arch}.{key}", default)
+
+    n_heads = int(meta("attention.head_count"))
+    dim = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", dim // n_heads))
+    rope_base = float(meta("rope.freq_base", 10000.0))
+    scaling_type = meta("rope.scaling.type", "none")
     if scaling_type not in ("none", None):
         fail(f"unsupported rope scaling {scaling_type!r}")
     rope_scaling = None
     if "rope_freqs.weight" in tensors:
         freqs = tensors["rope_freqs.weight"].data.astype(np.float64)
         rope_scaling = rope_scaling_from_freqs(freqs, head_dim, rope_base)
-    eps = float(field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5))
+    eps = float(meta("attention.layer_norm_rms_epsilon", 1e-5))
+    biases = [f"blk.0.attn_{x}.bias" in tensors for x in "qkv"]
+    if any(biases) and not all(biases):
+        fail("q / k / v biases must come together (the GGUF has only some)")
     return {
         "dim": dim,
-        "n_layers": int(field(reader, "llama.block_count")),
+        "n_layers": int(meta("block_count")),
         "n_heads": n_heads,
-        "n_kv_heads": int(field(reader, "llama.attention.head_count_kv", n_heads)),
+        "n_kv_heads": int(meta("attention.head_count_kv", n_heads)),
         "head_dim": head_dim,
-        "intermediate_size": int(field(reader, "llama.feed_forward_length")),
+        "intermediate_size": int(meta("feed_forward_length")),
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "norm_eps": float(f"{eps:.7g}"),  # stored as float32: 1e-5 reads back as 9.99999974e-06
         "rope_base": float(f"{rope_base:.7g}"),
         "rope_scaling": rope_scaling,
-        "max_seq_len": int(field(reader, "llama.context_length", 2048)),
+        "max_seq_len": int(meta("context_length", 2048)),
         "tie_embeddings": "output.weight" not in tensors,
+        "attention_bias": all(biases),
     }
 
 
-def gguf_state_dict(tensors: dict, args: dict) -> dict[str, torch.Tensor]:
+def gguf_state_dict(tensors: dict, args: dict, permuted: bool) -> dict[str, torch.Tensor]:
+    """Our state dict from the GGUF's tensors; permuted: q / k rows in llama.cpp's order (llama)."""
     from gguf.quants import dequantize
 
     tensors = dict(tensors)
@@ -127,9 +141,12 @@ def gguf_state_dict(tensors: dict, args: dict) -> dict[str, torch.Tensor]:
     for i in range(args["n_layers"]):
         b, p = f"blk.{i}.", f"layers.{i}."
         sd[p + "attention_norm.weight"] = take(b + "attn_norm.weight")
-        q = unpermute(take(b + "attn_q.weight"), args["n_heads"])
-        k = unpermute(take(b + "attn_k.weight"), args["n_kv_heads"])
+        q, k = take(b + "attn_q.weight"), take(b + "attn_k.weight")
+        if permuted:
+            q, k = unpermute(q, args["n_heads"]), unpermute(k, args["n_kv_heads"])
         sd[p + "attention.wqkv.weight"] = torch.cat([q, k, take(b + "attn_v.weight")], dim=0)
+        if args["attention_bias"]:
+            sd[p + "attention.wqkv.bias"] = torch.cat([take(b + f"attn_{x}.bias") for x in "qkv"])
         sd[p + "attention.wo.weight"] = take(b + "attn_output.weight")
         sd[p + "ffn_norm.weight"] = take(b + "ffn_norm.weight")
         sd[p + "feed_forward.w13.weight"] = torch.cat(
@@ -156,6 +173,8 @@ def gguf_tokenizer(reader, out_dir: Path) -> None:
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
     special, vocab = {}, {}
     for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty == TOKEN_UNUSED:  # padding rows of the embedding ("[PAD151665]"): no text maps to them
+            continue
         # Control and user-defined tokens are matched in the text as a whole (llama.cpp does the same).
         # A token outside GPT-2's byte alphabet cannot be a BPE token either.
         if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) or any(c not in tok._UNICODE_TO_BYTE for c in t):
@@ -164,22 +183,23 @@ def gguf_tokenizer(reader, out_dir: Path) -> None:
             vocab[t] = i
     eos_id = int(field(reader, "tokenizer.ggml.eos_token_id"))
     bos_id = field(reader, "tokenizer.ggml.bos_token_id")
-    tok.save_bpe(out_dir, vocab, merges, special, PRE_TOKENIZERS[pre],
+    pattern, normalizer = PRE_TOKENIZERS[pre]
+    tok.save_bpe(out_dir, vocab, merges, special, pattern,
                  bos_id=int(bos_id) if bos_id is not None else None, eos_id=eos_id,
                  stop_ids=tok.stop_ids_for(special, eos_id),
                  add_bos=bool(field(reader, "tokenizer.ggml.add_bos_token", bos_id is not None)),
-                 chat_template=field(reader, "tokenizer.chat_template"))
+                 chat_template=field(reader, "tokenizer.chat_template"), normalizer=normalizer)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert a llama GGUF into out_dir; returns out_dir."""
+    """Convert a llama or qwen2 GGUF into out_dir; returns out_dir."""
     reader = read_gguf(gguf_path)
     try:
         tensors = {t.name: t for t in reader.tensors}
         args = gguf_config(reader, tensors)
     except (TypeError, ValueError, KeyError) as e:
         fail(f"{gguf_path}: incomplete GGUF metadata ({e})")
-    sd = gguf_state_dict(tensors, args)
+    sd = gguf_state_dict(tensors, args, permuted=ARCHITECTURES[field(reader, "general.architecture")])
     check_shapes(sd, args)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

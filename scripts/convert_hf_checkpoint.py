@@ -1,4 +1,4 @@
-"""Convert a Hugging Face Llama folder into a kvfast checkpoint folder.
+"""Convert a Hugging Face Llama or Qwen2 folder into a kvfast checkpoint folder.
 
 Input: config.json, model.safetensors or model.safetensors.index.json (+ shards), and a tokenizer:
 tokenizer.json with a byte-level BPE (-> tokenizer.tiktoken) or tokenizer.model (SentencePiece, copied).
@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tokenizer.py 
 import tokenizer as tok
 
 CONFIG_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size",
-               "norm_eps", "rope_base", "rope_scaling", "max_seq_len", "tie_embeddings")
+               "norm_eps", "rope_base", "rope_scaling", "max_seq_len", "tie_embeddings", "attention_bias")
+# model_type -> whether its q / k / v projections carry biases (Qwen2's always do; its o_proj never does)
+ARCHITECTURES = {"llama": False, "qwen2": True}
 
 
 def fail(msg: str) -> NoReturn:
@@ -48,11 +50,14 @@ def llama3_scaling(d: dict) -> dict:
 
 
 def hf_model_args(hf: dict) -> dict:
-    """ModelArgs fields from an HF LlamaConfig dict (transformers 4 and 5 spellings)."""
-    if hf.get("model_type") != "llama":
-        fail(f"unsupported model_type {hf.get('model_type')!r} (only llama)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
+    """ModelArgs fields from an HF LlamaConfig / Qwen2Config dict (transformers 4 and 5 spellings)."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        fail(f"unsupported model_type {model_type!r} (supported: {', '.join(ARCHITECTURES)})")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):  # llama's attention_bias also puts one on o_proj
         fail("attention_bias / mlp_bias are not supported")
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        fail("sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         fail(f"unsupported hidden_act {hf['hidden_act']!r}")
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
@@ -79,6 +84,7 @@ def hf_model_args(hf: dict) -> dict:
         "rope_scaling": rope_scaling,
         "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "attention_bias": ARCHITECTURES[model_type],
     }
 
 
@@ -119,6 +125,8 @@ def hf_state_dict(weights: dict[str, torch.Tensor], args: dict) -> dict[str, tor
         sd[p + "attention_norm.weight"] = take(p + "input_layernorm.weight")
         sd[p + "attention.wqkv.weight"] = torch.cat(
             [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)
+        if args["attention_bias"]:
+            sd[p + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         sd[p + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
         sd[p + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
         sd[p + "feed_forward.w13.weight"] = torch.cat(
@@ -149,6 +157,8 @@ def check_shapes(sd: dict[str, torch.Tensor], a: dict) -> None:
                    p + "attention.wqkv.weight": ((a["n_heads"] + 2 * a["n_kv_heads"]) * hd, dim),
                    p + "attention.wo.weight": (dim, a["n_heads"] * hd),
                    p + "feed_forward.w13.weight": (2 * ffn, dim), p + "feed_forward.w2.weight": (dim, ffn)}
+        if a["attention_bias"]:
+            expect[p + "attention.wqkv.bias"] = ((a["n_heads"] + 2 * a["n_kv_heads"]) * hd,)
     for k, shape in expect.items():
         if tuple(sd[k].shape) != shape:
             fail(f"{k}: shape {tuple(sd[k].shape)}, config says {shape}")
@@ -241,7 +251,7 @@ def bpe_pattern(tj: dict) -> tuple[str, str | None]:
 
 
 def convert_hf_checkpoint(hf_dir: Path, out_dir: Path) -> Path:
-    """Convert an HF Llama folder; returns out_dir."""
+    """Convert an HF Llama or Qwen2 folder; returns out_dir."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     cfg_path = hf_dir / "config.json"
     if not cfg_path.exists():

@@ -52,7 +52,8 @@ def assert_matches_hf(sd: dict, hf_sd: dict, n_layers: int, tied: bool) -> None:
 def tiny_config(tied: bool, rope_scaling: bool) -> dict:
     return {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "intermediate_size": 96,
             "vocab_size": 400, "norm_eps": 1e-6, "rope_base": 50000.0,
-            "rope_scaling": LLAMA3 if rope_scaling else None, "max_seq_len": 512, "tie_embeddings": tied}
+            "rope_scaling": LLAMA3 if rope_scaling else None, "max_seq_len": 512, "tie_embeddings": tied,
+            "attention_bias": False}
 
 
 def assert_one_line_exit(excinfo) -> None:
@@ -317,11 +318,11 @@ def test_gguf_errors(tmp_path):
     with pytest.raises(SystemExit) as e:
         convert_gguf(tmp_path / "truncated.gguf", tmp_path / "out")
     assert_one_line_exit(e)
-    write_tiny_gguf(tmp_path / "qwen.gguf", model, tj, arch="qwen2")
+    write_tiny_gguf(tmp_path / "phi3.gguf", model, tj, arch="phi3")
     with pytest.raises(SystemExit) as e:
-        convert_gguf(tmp_path / "qwen.gguf", tmp_path / "out")
+        convert_gguf(tmp_path / "phi3.gguf", tmp_path / "out")
     assert_one_line_exit(e)
-    assert "architecture 'qwen2'" in str(e.value)
+    assert "architecture 'phi3'" in str(e.value)
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -338,6 +339,7 @@ def test_cli_errors_are_one_line(tmp_path):
 @pytest.mark.real_model
 def test_default_gguf_conversion(default_checkpoint, hf_gguf_model):
     cfg = json.loads((default_checkpoint / "config.json").read_text())
+    assert cfg.pop("attention_bias", False) is False  # checkpoints converted before the field existed lack it
     assert cfg == {"dim": 576, "n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64,
                    "intermediate_size": 1536, "vocab_size": 49152, "norm_eps": 1e-5, "rope_base": 100000.0,
                    "rope_scaling": None, "max_seq_len": 8192, "tie_embeddings": True}
