@@ -119,21 +119,28 @@ def hf_tokenizer(default_gguf):
     return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
 
 
-@pytest.fixture(scope="session")
-def hf_gguf_model(default_gguf):
-    """transformers' LlamaForCausalLM with weights read and dequantized by transformers' GGUF loader."""
-    from transformers import AutoConfig, LlamaForCausalLM
+def hf_model_from_gguf(gguf: Path, model_class):
+    """transformers' model_class with the weights read and dequantized by transformers' own GGUF loader."""
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    cfg = AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with torch.device("meta"):  # skips the random init; every weight is assigned below
-        model = LlamaForCausalLM(cfg)
-    tensors = load_gguf_checkpoint(str(default_gguf), return_tensors=True, model_to_load=model)["tensors"]
+        model = model_class(cfg)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)  # its buffers were on meta
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(default_gguf):
+    """transformers' LlamaForCausalLM on the default model's GGUF."""
+    from transformers import LlamaForCausalLM
+
+    return hf_model_from_gguf(default_gguf, LlamaForCausalLM)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CORPUS, REPO_ROOT
+from conftest import CORPUS, REPO_ROOT, hf_model_from_gguf
 from numerics import assert_numerically_close, unit_roundoff
 from safetensors.torch import load_file
 from test_tokenizer import CODE, SPACES, UNICODE, random_text
@@ -154,18 +154,10 @@ def write_tiny_qwen2_gguf(path, model, bpe) -> None:
 
 def hf_from_gguf(path):
     """transformers' own reading of a GGUF: its Qwen2ForCausalLM (dequantized by it) and its tokenizer."""
-    from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):  # skips the random init; every weight is assigned below
-        model = Qwen2ForCausalLM(cfg)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)  # its buffers were on meta
-    return model.float().eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return hf_model_from_gguf(path, Qwen2ForCausalLM).float(), AutoTokenizer.from_pretrained(path.parent,
+                                                                                              gguf_file=path.name)
 
 
 # ---- logits and greedy tokens --------------------------------------------------------------------------------------
