@@ -381,6 +381,15 @@ class Decoder:
         call = self._call(start_pos, temperature, top_k, forced is not None, False, recall, step_times)
         return self._run(x, start_pos, n, call, rounds or self, stop_ids, forced, on_logits)
 
+    def feed(self, chunk: Tensor, start_pos: int, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
+        """Read a chunk [B, L] (a question after a restored context, kv.snapshot) through the decode step at
+        start_pos.. and return the token sampled after its last [B, 1]: teacher-forced, so each of its tokens
+        recalls the warm pages it needs (tiers) and nothing is compressed without having seen it."""
+        forced = torch.cat([chunk[:, 1:], chunk[:, -1:]], dim=1)  # the last column is never fed
+        x = chunk[:, :1].clone(memory_format=torch.contiguous_format)  # a sampled token's strides (see _run)
+        tokens = self.decode(x, start_pos, chunk.shape[1], temperature, top_k, forced=forced)
+        return tokens[:, -1:].clone(memory_format=torch.contiguous_format)
+
     def _call(self, start_pos: int, temperature: float, top_k: int | None, fed: bool, warm: bool,
               recall: bool | None, step_times: list[float] | None) -> DecodeCall:
         if self.dynamic_capacity:  # caches set up after the warm-up (eval installs its own)
@@ -400,8 +409,9 @@ class Decoder:
             out.append(tokens)
             done += tokens.shape[1]
             calls += 1
-            if forced is not None:
-                x = forced[:, done - 1 : done]
+            if forced is not None:  # the strides of a sampled token: dynamo guards on them (a chunk's column
+                # has its length as row stride, so each chunk length would compile a graph of its own)
+                x = forced[:, done - 1 : done].clone(memory_format=torch.contiguous_format)
             input_pos = input_pos + tokens.shape[1]
             if stop_ids and forced is None and calls % rounds.stop_every == 0 and all_stopped(torch.cat(out, 1),
                                                                                                stop_ids):

@@ -35,6 +35,7 @@ from decode import (
     synchronize,
     truncate_at_stop,
 )
+from kv import snapshot
 from kv.quant import kv_format
 from kv.tiers import format_tier_report, tier_report
 from model import KVFastError, Transformer
@@ -88,8 +89,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--draft-budget", type=float, default=None,
                    help="--speculate: the draft cache's slots per layer, a fraction in (0, 1] of prompt + new "
                         "tokens or a number (> 1) (default 0.1)")
+    g = p.add_argument_group("saved contexts: compress once, ask many (kv/snapshot.py, docs/contexts.md)")
+    g.add_argument("--save-context", type=Path, default=None, metavar="FILE",
+                   help="after the prompt's prefill and compression, write the compressed caches to FILE; then "
+                        "continue as usual")
+    g.add_argument("--load-context", type=Path, default=None, metavar="FILE",
+                   help="restore a saved context instead of prefilling (same checkpoint and cache flags): --prompt "
+                        "is then the next chunk, e.g. a question, fed after the context; without --prompt decoding "
+                        "continues where the saving run did")
+    g.add_argument("--questions", type=Path, default=None, metavar="FILE",
+                   help="one question per line, or JSONL {\"question\": ...}: each answered from the same "
+                        "compressed context (--prompt's or --load-context's), restored before each")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     args = p.parse_args(argv)
+    contexts = [f for f in ("save_context", "load_context", "questions") if getattr(args, f)]
+    for flag, bad in (("--prompts", args.prompts), ("--speculate", args.speculate is not None),
+                      ("--num-samples", args.num_samples > 1)):
+        if contexts and bad:
+            p.error(f"--{contexts[0].replace('_', '-')} does not combine with {flag}")
+    if args.save_context and args.load_context:
+        p.error("give --save-context or --load-context, not both")
+    if args.load_context and args.questions and args.prompt is not None:
+        p.error("--load-context: give the question as --prompt or the questions as --questions, not both")
     if args.max_new_tokens <= 0:
         p.error(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     if args.num_samples <= 0 or args.batch_size <= 0:
@@ -133,30 +154,41 @@ def main(argv: list[str] | None = None) -> None:
     if args.prompts:
         ragged.check_args(args)
     texts = ragged.read_prompts(args.prompts) if args.prompts else [read_prompt(args.prompt or DEFAULT_PROMPT)]
+    questions = ragged.read_prompts(args.questions, "question", "--questions") if args.questions else None
+    header = snapshot.read_header(args.load_context, ("next_token", "room", "prefill_s")) if args.load_context else None
+    if header is not None and args.prompt is not None:  # the prompt is the chunk after the context
+        questions, texts = [texts[0]], [header["context_preview"]]
     kvcache.check_cache_args(args)  # bad policy, preset or flag: fail before loading the model
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load(checkpoint, args.device, dtype)
     tp.shard(model)  # this rank's heads and FFN columns, before the caches are sized for its heads
     if args.chat:
         texts = [tokenizer.chat_prompt(t) for t in texts]
-    rows = [tokenizer.encode(t, bos=tokenizer.add_bos) for t in texts]
+    rows = ([tokenizer.encode(t, bos=tokenizer.add_bos) for t in texts] if header is None else
+            [header["context_ids"][0]])
+    chunks = [tokenizer.encode(q) for q in questions] if questions else None
+    if chunks and not all(chunks):
+        raise KVFastError(f"question {[bool(c) for c in chunks].index(False) + 1} is empty")
+    asked = max(map(len, chunks)) if chunks else 0  # the longest question, read after the context
     for number, row in enumerate(rows, 1):
         if not row:
             raise KVFastError("the prompt is empty" if not args.prompts else f"prompt {number} of {args.prompts} is empty")
     ids = max(rows, key=len)  # a ragged batch is sized by its longest prompt
     prompt = "the prompt" if not args.prompts else f"the longest prompt (line {rows.index(ids) + 1})"
-    total = len(ids) + args.max_new_tokens + (args.speculate or 0)
+    total = len(ids) + asked + args.max_new_tokens + (args.speculate or 0)
     if args.pos_shift and len(ids) > model.args.max_seq_len:  # the prompt is prefilled at its own positions
         raise KVFastError(f"{prompt} ({len(ids)} tokens) exceeds the model's maximum length of "
                           f"{model.args.max_seq_len} tokens (--pos-shift lets decoding, not the prompt, go past it)")
     if total > model.args.max_seq_len and not args.pos_shift:
         drafts = f" + --speculate ({args.speculate})" if args.speculate else ""
+        drafts += f" + the longest question ({asked})" if asked else ""
         raise KVFastError(f"{prompt} ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}){drafts} exceeds "
                           f"the model's maximum length of {model.args.max_seq_len} tokens")
     idx = (ragged.padded(rows, args.device) if args.prompts else
            torch.tensor([ids] * args.batch_size, dtype=torch.long, device=args.device))
     B = idx.shape[0]
     room = args.max_new_tokens + (args.speculate or 0)  # a verification writes up to K positions past the end
+    room = header["room"] if header else room + asked  # a saved context: the room it was sized with
     if args.speculate and args.kv_bits == 16 and args.kv_float in (None, "auto"):  # the verification's K/V float
         args.kv_float = kv_format(16, "auto", verifies=args.device == "cpu")[0]["kv_float"]
     make_cache = kvcache.cache_factory_from_args(args, B, model.args, len(ids), room, dtype, args.device, tokenizer)
@@ -173,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.pos_shift and max(make_cache.capacities) > model.args.max_seq_len:
         raise KVFastError(f"--pos-shift: the cache holds {max(make_cache.capacities)} slots, more ranks than the "
                           f"model's maximum length of {model.args.max_seq_len}; lower --cache-budget")
+    if header and not (make_cache.cls.evicts and make_cache.cls.compresses) and asked + args.max_new_tokens > room:
+        raise KVFastError(f"{make_cache.policy} keeps every new token: the saved context has room for {room} more "
+                          f"(its --max-new-tokens + questions), not {asked} + --max-new-tokens {args.max_new_tokens}")
     model.setup_caches(make_cache)
     batch_caches = model.caches
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill,
@@ -183,6 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     compiled = args.compile or args.compile_prefill
     if compiled:
         warm_up(runner, idx, args)
+    expect = snapshot.expectations(make_cache, model, checkpoint) if args.save_context or header else None
+    if args.load_context or chunks:
+        ask(args, model, tokenizer, runner, idx, chunks, expect, room)
+        print_cache_stats(model, make_cache)
+        return
 
     timings = []
     for i in range(args.num_samples):
@@ -196,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 first = runner.prefill(model, idx, args.temperature, args.top_k)
             t_prefill = time.perf_counter() - t0
+            if args.save_context:  # not timed: the figures are the sample's
+                t_save = time.perf_counter()
+                save(args, model, tokenizer, idx, first, room, t_prefill, expect)
+                t0 += time.perf_counter() - t_save
             new = runner.decode(first, len(ids), args.max_new_tokens - 1, args.temperature, args.top_k, stop_ids)
         synchronize(args.device)
         elapsed = time.perf_counter() - t0
@@ -233,6 +277,60 @@ def main(argv: list[str] | None = None) -> None:
     print_cache_stats(model, make_cache)
     if runner is not decoder:
         print(runner.report())
+
+
+def ask(args: argparse.Namespace, model: Transformer, tokenizer, runner: Decoder, idx: Tensor,
+        chunks: list[list[int]] | None, expect: dict, room: int) -> None:
+    """--load-context / --questions: the context restored from its file, or prefilled (and saved) once; then each
+    chunk (question) fed after it from the restored snapshot, each answer printed with the time it saved."""
+    S, B, T, k = idx.shape[1], idx.shape[0], args.temperature, args.top_k
+    stop_ids = None if args.ignore_eos else tokenizer.stop_ids
+    runner.reset()
+    t0 = time.perf_counter()
+    if args.load_context:
+        header = snapshot.load_context(args.load_context, model, tokenizer, expect)
+        first, t_prefill = torch.tensor(header["next_token"], device=idx.device), header["prefill_s"]
+        print(f"context: {S} tokens restored from {args.load_context} in {(time.perf_counter() - t0) * 1000:.1f} ms "
+              f"(its prefill took {t_prefill * 1000:.1f} ms when saved)")
+    else:
+        with torch.inference_mode():
+            first = runner.prefill(model, idx, T, k)
+        synchronize(args.device)
+        t_prefill = time.perf_counter() - t0
+        print(f"context: {S} tokens prefilled in {t_prefill * 1000:.1f} ms")
+        if args.save_context:
+            save(args, model, tokenizer, idx, first, room, t_prefill, expect)
+    snap = snapshot.snapshot(model)
+    for number, chunk in enumerate(chunks or [None], 1):
+        graphs = graph_count()
+        t0 = time.perf_counter()
+        snapshot.restore(model, snap)
+        synchronize(args.device)
+        t_restore = time.perf_counter() - t0
+        with torch.inference_mode():
+            x = first if chunk is None else runner.feed(torch.tensor([chunk] * B, device=idx.device), S, T, k)
+            new = runner.decode(x, S + len(chunk or []), args.max_new_tokens - 1, T, k, stop_ids)
+        synchronize(args.device)
+        elapsed = time.perf_counter() - t0
+        tokens = torch.cat([x, new], dim=1)
+        for row in range(B):
+            out = tokens[row].tolist()
+            print(tokenizer.decode(out if stop_ids is None else truncate_at_stop(out, stop_ids)))
+            print("-" * 40)
+        if graph_count() > graphs:
+            print(f"warning: question {number} compiled {graph_count() - graphs} new graphs", file=sys.stderr)
+        what = "continuation" if chunk is None else f"question {number} ({len(chunk)} tokens)"
+        print(f"{what}: {tokens.shape[1]} new tokens in {elapsed * 1000:.1f} ms; context restored in "
+              f"{t_restore * 1000:.2f} ms instead of a {t_prefill * 1000:.1f} ms prefill: "
+              f"{(t_prefill - t_restore) * 1000:.1f} ms saved")
+
+
+def save(args: argparse.Namespace, model: Transformer, tokenizer, idx: Tensor, first: Tensor, room: int,
+         t_prefill: float, expect: dict) -> None:
+    """--save-context: the caches right after the context's prefill, with what a later run needs to go on."""
+    meta = {"context_ids": idx.tolist(), "next_token": first.tolist(), "room": room, "prefill_s": t_prefill, **expect}
+    snapshot.save_context(args.save_context, model, tokenizer, meta)
+    print(f"context saved to {args.save_context} ({idx.shape[1]} tokens, {args.save_context.stat().st_size} bytes)")
 
 
 def speculator(model: Transformer, decoder: Decoder, args: argparse.Namespace, prompt_len: int,

@@ -21,29 +21,30 @@ from torch import Tensor
 from model import KVFastError, Transformer
 
 
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per line, or JSONL (each line an object with a "prompt" string); blank lines are skipped."""
+def read_prompts(path: Path, key: str = "prompt", flag: str = "--prompts") -> list[str]:
+    """One prompt per line, or JSONL (each line an object with a `key` string); blank lines are skipped. flag:
+    the option that named the file, for the errors (generate.py's --questions reads its file here too)."""
     try:
         lines = Path(path).read_text().splitlines()
     except FileNotFoundError:
-        raise KVFastError(f"--prompts file not found: {path}") from None
+        raise KVFastError(f"{flag} file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise KVFastError(f"cannot read --prompts file {path}: {e}") from None
+        raise KVFastError(f"cannot read {flag} file {path}: {e}") from None
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
             try:
-                prompt = json.loads(line)["prompt"]
+                prompt = json.loads(line)[key]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise KVFastError(f"{path}:{number}: a JSON line must be an object with a \"prompt\" string") from None
+                raise KVFastError(f"{path}:{number}: a JSON line must be an object with a \"{key}\" string") from None
             if not isinstance(prompt, str):
-                raise KVFastError(f"{path}:{number}: \"prompt\" must be a string")
+                raise KVFastError(f"{path}:{number}: \"{key}\" must be a string")
             line = prompt
         prompts.append(line.replace("\\n", "\n"))
     if not prompts:
-        raise KVFastError(f"--prompts file {path} holds no prompt")
+        raise KVFastError(f"{flag} file {path} holds no {key}")
     return prompts
 
 
