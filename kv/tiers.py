@@ -28,7 +28,7 @@ Counters (device tensors, read once at the end; COUNTERS): tokens demoted, pages
 written by prefill, pages and tokens dropped cold, recall calls, page hits and misses. Bytes moved hot -> warm
 = pages written x page bytes; warm -> hot = misses x page bytes (a page in its warm format).
 
-Deviation: the issue asks for the warm store in pinned host memory on CUDA with asynchronous copies. Here it
+Deviation from a CUDA design with the warm store in pinned host memory and asynchronous copies: here it
 lives on the compute device everywhere: recall runs inside the compiled step, which cannot read host memory.
 On CPU (this project's machines) that is the same memory anyway; the byte accounting is the one a host store
 would have. A recall step writes a fixed number of pages (static shapes): the installed misses, and where

@@ -46,6 +46,13 @@ def tolerance(scale: float, *, compute: torch.dtype = torch.float32, depth: int 
     return {"atol": rel * scale, "rtol": rel}
 
 
+def model_depth(args, context: int) -> int:
+    """The reductions along one token's path through a model (each layer's projections, attention over
+    `context` keys and FFN, then the head): the depth of a logit's rounding, for `tolerance`."""
+    layer = 2 * args.dim + args.n_heads * args.head_dim + context + args.intermediate_size
+    return args.n_layers * layer + args.dim
+
+
 def assert_numerically_close(actual: Tensor, expected: Tensor, *, compute: torch.dtype = torch.float32,
                              depth: int = 1, storage: torch.dtype | None = None, roundings: int = 0,
                              msg: str | None = None) -> None:

@@ -15,6 +15,7 @@ from cache_testing import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numerics import assert_numerically_close, model_depth
 
 from cache import POLICIES, PROMPT_COMPRESSORS, make_cache_factory
 from decode import Decoder, prefill
@@ -164,12 +165,12 @@ def test_no_compression_equals_full_exactly(policy, n_kv, g, prompt_len, steps, 
     if issubclass(POLICIES[policy], PoolCache):  # one product over the pool sums in another order: rounding,
         # which grows over the decode steps like SDPA's below (hypothesis found 1.5e-5 on a fastgen logit)
         assert torch.equal(ours.argmax(-1), reference.argmax(-1))
-        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+        assert_numerically_close(ours, reference, depth=model_depth(a, total))
     else:
         assert torch.equal(ours, reference)
     plain = logits_with(make_cache_factory("full", B, model.args, prompt_len, steps))
     # SDPA vs explicit softmax: rounding only, which grows over 12 decode steps (hypothesis found 1.4e-5 on a logit)
-    torch.testing.assert_close(ours, plain, rtol=1e-4, atol=1e-4)
+    assert_numerically_close(ours, plain, depth=model_depth(a, total))
 
 
 @pytest.mark.parametrize("policy", [p for p, cls in POLICIES.items() if not cls.position_only])

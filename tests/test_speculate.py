@@ -5,6 +5,7 @@ step equals one token at a time; truncate forgets exactly the rejected positions
 import pytest
 import torch
 from cache_testing import generate_tokens, single_thread_fixture, small_params, tiny_model
+from numerics import assert_numerically_close, model_depth
 from torch._dynamo.utils import counters
 
 import generate
@@ -87,7 +88,7 @@ def test_full_cache_verifies_a_chunk_as_one_token_at_a_time():
         for c in model.caches:
             c.truncate(16)
         chunk = model(ids[:, 16:], torch.arange(16, 24), all_logits=True)
-    torch.testing.assert_close(chunk, one, atol=1e-5, rtol=1e-5)
+    assert_numerically_close(chunk, one, depth=model_depth(model.args, 24))
 
 
 def test_truncate_forgets_exactly_the_later_positions():

@@ -8,6 +8,7 @@ import pytest
 import torch
 import tp_worker
 from cache_testing import one_thread, tiny_model
+from numerics import assert_numerically_close, model_depth
 
 import tp
 from model import KVFastError
@@ -37,8 +38,11 @@ def test_two_ranks_match_one_process(two_ranks, run):
         alone = tp_worker.run(run.split("+")[0], compiled=False)
     sharded = two_ranks[run]
     assert two_ranks["world"] == 2 and sharded["n_kv_heads"] == 1  # 3 KV heads: rank 0 takes 1, rank 1 two
-    torch.testing.assert_close(sharded["prompt_logits"], alone["prompt_logits"], rtol=0, atol=1e-5)
-    torch.testing.assert_close(sharded["step_logits"], alone["step_logits"], rtol=0, atol=1e-5)
+    # the ranks' partial sums are added in another order than one process sums them: rounding only; the tokens,
+    # and the quantized shards below, are exact
+    depth = model_depth(tp_worker.tiny_model(n_heads=6, n_kv_heads=3).args, tp_worker.PROMPT_LEN + tp_worker.N_NEW)
+    assert_numerically_close(sharded["prompt_logits"], alone["prompt_logits"], depth=depth)
+    assert_numerically_close(sharded["step_logits"], alone["step_logits"], depth=depth)
     assert torch.equal(sharded["tokens"], alone["tokens"])
     assert len(set(alone["tokens"].tolist())) > 3  # varied tokens, not one repeated
 
