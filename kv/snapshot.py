@@ -19,15 +19,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from compilecache import write_atomically
 from model import KVFastError
 
 FORMAT_VERSION = 1
@@ -133,17 +132,7 @@ def save_context(path: Path, model: nn.Module, tokenizer: Any, meta: dict[str, A
     header = {"format_version": FORMAT_VERSION, **meta, "digest": tensor_digest(tensors),
               "context_preview": tokenizer.decode(ids[0][:200]) if ids and tokenizer is not None else ""}
     data = save(tensors, metadata={HEADER_KEY: json.dumps(header)})
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(Path(path), data)  # a temporary file in the same folder, then a rename
 
 
 def read_header(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -3,6 +3,7 @@ once answers like the run that compressed it, bit for bit; a file from another m
 or format version, or a damaged one, is one line and exit code 2; a save never leaves half a file."""
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -231,14 +232,14 @@ def test_interrupted_save_leaves_no_file(tmp_path, monkeypatch):
     def interrupted(fd: int) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(snapshot.os, "fsync", interrupted)
+    monkeypatch.setattr(os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
         snapshot.save_context(target, model, None, {"context_ids": [[1, 2]]})
     assert list(tmp_path.iterdir()) == []  # neither the target nor a temporary file
     monkeypatch.undo()
     snapshot.save_context(target, model, None, {"context_ids": [[1, 2]]})
     before = target.read_bytes()
-    monkeypatch.setattr(snapshot.os, "fsync", interrupted)
+    monkeypatch.setattr(os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
         snapshot.save_context(target, model, None, {"context_ids": [[3, 4]]})
     assert list(tmp_path.iterdir()) == [target] and target.read_bytes() == before  # the old file, whole
