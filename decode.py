@@ -401,6 +401,8 @@ class Decoder:
     def _run(self, x: Tensor, start_pos: int, n: int, call: DecodeCall, rounds: Rounds,
              stop_ids: set[int] | None = None, forced: Tensor | None = None, on_logits=None) -> Tensor:
         out, done, calls = [], 0, 0
+        if forced is not None:  # a chunk's first column, as its later ones below: the strides of a sampled token
+            x = x.clone(memory_format=torch.contiguous_format)
         input_pos = torch.tensor([start_pos], dtype=torch.long, device=x.device)
         while done < n:
             tokens, x, logits = rounds.round(x, start_pos + done, input_pos, call)
@@ -416,6 +418,8 @@ class Decoder:
             if stop_ids and forced is None and calls % rounds.stop_every == 0 and all_stopped(torch.cat(out, 1),
                                                                                                stop_ids):
                 break
+        if not out:  # n == 0: --max-new-tokens 1 is the prefill's token alone
+            return x.new_empty(x.shape[0], 0)
         tokens = torch.cat(out, dim=1)
         return tokens if tokens.shape[1] <= n else tokens[:, :n]
 

@@ -109,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{contexts[0].replace('_', '-')} does not combine with {flag}")
     if args.save_context and args.load_context:
         p.error("give --save-context or --load-context, not both")
+    if contexts and tp.rank_and_world()[1] > 1:  # each rank holds other KV heads: one file could not serve them all
+        p.error(f"--{contexts[0].replace('_', '-')} does not combine with tensor parallelism (torchrun)")
+    if args.load_context and args.compile_prefill:
+        p.error("--load-context restores the context instead of prefilling it: leave out --compile-prefill")
+    if args.save_context and not args.save_context.resolve().parent.is_dir():
+        p.error(f"--save-context: no folder {args.save_context.resolve().parent}")
     if args.load_context and args.questions and args.prompt is not None:
         p.error("--load-context: give the question as --prompt or the questions as --questions, not both")
     if args.max_new_tokens <= 0:

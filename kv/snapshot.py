@@ -132,7 +132,10 @@ def save_context(path: Path, model: nn.Module, tokenizer: Any, meta: dict[str, A
     header = {"format_version": FORMAT_VERSION, **meta, "digest": tensor_digest(tensors),
               "context_preview": tokenizer.decode(ids[0][:200]) if ids and tokenizer is not None else ""}
     data = save(tensors, metadata={HEADER_KEY: json.dumps(header)})
-    write_atomically(Path(path), data)  # a temporary file in the same folder, then a rename
+    try:
+        write_atomically(Path(path), data)  # a temporary file in the same folder, then a rename
+    except OSError as e:
+        raise KVFastError(f"cannot write the saved context {path}: {e.strerror or e}") from None
 
 
 def read_header(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -243,3 +243,35 @@ def test_interrupted_save_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         snapshot.save_context(target, model, None, {"context_ids": [[3, 4]]})
     assert list(tmp_path.iterdir()) == [target] and target.read_bytes() == before  # the old file, whole
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--save-context", "{tmp}/missing/ctx.kvf"], "--save-context: no folder"),
+    (["--load-context", "{saved}", "--compile-prefill"], "leave out --compile-prefill"),
+])
+def test_context_flags_that_cannot_work_are_one_line(argv, expected, saved, tiny_checkpoint, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path, saved=saved) for a in argv]
+    code, _, err = run(capsys, tiny_checkpoint, "--prompt", "a question", *argv)
+    assert code == 2 and expected in err and err.strip().count("\n") == 0, err
+
+
+def test_context_flags_refuse_tensor_parallel_ranks(saved, tiny_checkpoint, capsys, monkeypatch):
+    """Each rank holds its own KV heads: one file could not restore them all, so the flags are refused."""
+    monkeypatch.setattr(generate.tp, "rank_and_world", lambda: (0, 2))
+    code, _, err = run(capsys, tiny_checkpoint, "--load-context", str(saved), "--prompt", "a question")
+    assert code == 2 and "tensor parallelism" in err, err
+
+
+def test_an_unwritable_target_is_one_line(tmp_path):
+    model = tiny_model()
+    model.setup_caches(small_factory("h2o", 1, model.args, 20, 4))
+    with torch.inference_mode():
+        prefill(model, torch.randint(0, 64, (1, 20)), 0.0, None)
+    (tmp_path / "ctx.kvf").mkdir()  # a folder where the file should go
+    with pytest.raises(snapshot.KVFastError, match="cannot write the saved context"):
+        snapshot.save_context(tmp_path / "ctx.kvf", model, None, {"context_ids": [[1, 2]]})
+
+
+def test_one_new_token_is_the_prefills_alone(tiny_checkpoint, capsys):
+    code, out, err = run(capsys, tiny_checkpoint, "--prompt", "Hello there", "--max-new-tokens", "1")
+    assert code == 0 and "1 new tokens" in out, err
