@@ -119,6 +119,24 @@ def hf_tokenizer(default_gguf):
     return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
 
 
+def gguf_writer(path: Path, cfg, arch: str, key_length: bool = True):
+    """A gguf.GGUFWriter with a transformers config's model keys written, as llama.cpp's converter writes them."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    if key_length:
+        w.add_key_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return w
+
+
 def hf_model_from_gguf(gguf: Path, model_class):
     """transformers' model_class with the weights read and dequantized by transformers' own GGUF loader."""
     from transformers import AutoConfig

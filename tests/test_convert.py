@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_ROOT, save_tiny_hf, train_bpe
+from conftest import REPO_ROOT, gguf_writer, save_tiny_hf, train_bpe
 from safetensors.torch import load_file
 
 from scripts import prepare
@@ -231,19 +231,9 @@ def test_llama3_factors_match_transformers():
 
 def write_tiny_gguf(path, model, tokenizer_json: dict, arch: str = "llama", rope_freqs=None) -> None:
     """A llama GGUF as llama.cpp's convert script writes it (F32 tensors, permuted q/k, BPE vocab)."""
-    import gguf
 
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = gguf_writer(path, cfg, arch)
     vocab = tokenizer_json["model"]["vocab"]
     special = {t["content"] for t in tokenizer_json["added_tokens"]}
     tokens = sorted(vocab, key=vocab.get)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CORPUS, REPO_ROOT, hf_model_from_gguf
+from conftest import CORPUS, REPO_ROOT, gguf_writer, hf_model_from_gguf
 from numerics import assert_numerically_close, unit_roundoff
 from safetensors.torch import load_file
 from test_tokenizer import CODE, SPACES, UNICODE, random_text
@@ -105,15 +105,7 @@ def write_tiny_qwen2_gguf(path, model, bpe) -> None:
     import gguf
 
     cfg, Q8 = model.config, gguf.GGMLQuantizationType.Q8_0
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = gguf_writer(path, cfg, "qwen2", key_length=False)
     vocab = bpe.get_vocab(with_added_tokens=True)
     tokens = sorted(vocab, key=vocab.get) + [f"[PAD{i}]" for i in range(len(vocab), MODEL_VOCAB)]
     w.add_tokenizer_model("gpt2")
