@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from cache_testing import kvzip_prefill, single_thread_fixture, tiny_model
+from numerics import assert_numerically_close, model_depth
 
 import generate
 from cache import make_cache_factory
@@ -69,7 +70,10 @@ def test_scores_match_the_model_run_over_context_and_repeat(chunk, plus):
         fast = kvzip.context_scores(model, idx, kv, REPEAT, chunk=chunk, plus=plus)
         slow = slow_scores(model, idx, REPEAT, chunk, plus=plus)
     for layer, (f, s) in enumerate(zip(fast, slow)):
-        torch.testing.assert_close(f, s, rtol=1e-4, atol=1e-6, msg=f"layer {layer}")
+        # probabilities of the same model run in query blocks vs whole: the context and its repeat (with a few
+        # prompt tokens) as keys
+        assert_numerically_close(f, s, depth=model_depth(model.args, 2 * idx.shape[1] + 16),
+                                 msg=f"layer {layer}")
 
 
 def test_scores_use_bounded_query_blocks(monkeypatch):

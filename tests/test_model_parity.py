@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from conftest import save_tiny_hf
+from numerics import assert_numerically_close, model_depth
 
 from model import Transformer
 from scripts.convert_hf_checkpoint import convert_hf_checkpoint
@@ -30,8 +31,7 @@ def assert_parity(ours: Transformer, hf, prompt: list[int]) -> None:
         expected = hf(ids).logits
         got = ours(ids, all_logits=True)
         assert got.shape == expected.shape
-        err = (got - expected).abs().max().item()
-        assert err <= 1e-4 * expected.abs().max().item(), f"max abs error {err}"
+        assert_numerically_close(got, expected, depth=model_depth(ours.args, len(prompt)))
 
         full = hf_greedy(hf, ids)
         ours_next = ours(full[:, :-1], all_logits=True).argmax(-1)[0, len(prompt) - 1:]

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics import assert_numerically_close
+from numerics import assert_numerically_close, model_depth
 from test_generate import TINY, greedy, tiny_checkpoint, tiny_model  # noqa: F401 -- fixture reused
 from torch._dynamo.testing import EagerAndRecordGraphs
 
@@ -101,7 +101,9 @@ def test_quantized_model_is_its_dequantized_weights_and_decodes_compiled_as_eage
     ids = torch.randint(0, TINY.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         got = model(ids, all_logits=True)
-        torch.testing.assert_close(got, dequantized_copy(base, mode, 32)(ids, all_logits=True), rtol=1e-4, atol=1e-4)
+        # the same weights, multiplied in another order (int8: the row scale after the sum)
+        assert_numerically_close(got, dequantized_copy(base, mode, 32)(ids, all_logits=True),
+                                 depth=model_depth(TINY, ids.shape[1]))
         if mode == "int8":  # and int8 barely moves the distribution
             ref = F.log_softmax(base(ids, all_logits=True), -1)
             kl = (ref.exp() * (ref - F.log_softmax(got, -1))).sum(-1).mean()
