@@ -36,16 +36,18 @@ def single_thread_fixture():
 
 
 @contextmanager
-def recorded_graphs():
+def recorded_graphs(inductor: bool = True):
     """Every graph torch.compile hands to Inductor inside the block (the list it yields), compiled as usual;
-    compile modes are dropped (CPU: default)."""
+    compile modes are dropped (CPU: default). inductor=False runs each graph as traced instead: for tests whose
+    claim is about dynamo's graphs, guards and recompiles (the same with any backend), not about Inductor's
+    code, it skips Inductor's C++ builds, most of a cold test run."""
     from torch._inductor.compile_fx import compile_fx
 
     graphs, compile = [], torch.compile
 
     def backend(gm, example_inputs):
         graphs.append(gm)
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs) if inductor else gm.forward
 
     def recording(fn, **kw):
         return compile(fn, backend=backend, fullgraph=kw.get("fullgraph", False), dynamic=kw.get("dynamic"))

@@ -169,3 +169,16 @@ def tiny_checkpoint(tmp_path_factory):
     hf_dir = tmp_path_factory.mktemp("hf")
     save_tiny_hf(hf_dir, tie=True, rope_scaling=False)
     return convert_hf_checkpoint(hf_dir, tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+# Modules whose tests compile graphs of their own (Inductor's C++ builds dominate a cold run): collected first, so
+# that under `pytest -n` (worksteal) the workers start on them and finish on short tests instead of one worker
+# ending alone on a long compile.
+COMPILE_HEAVY = ("test_capacity_buckets", "test_kv_quant", "test_compile", "test_cache_compile", "test_pool",
+                 "test_quantize", "test_pos_shift", "test_batched_linear", "test_tiers", "test_snapshot",
+                 "test_eval_ray", "test_model_parity", "test_qwen2", "test_long_context", "test_int_kernels")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(COMPILE_HEAVY)}
+    items.sort(key=lambda item: rank.get(item.module.__name__ if item.module else "", len(rank)))
