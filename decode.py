@@ -73,10 +73,19 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
     return (probs / noise).argmax(dim=-1, keepdim=True)
 
 
-def prefill(model: Transformer, idx: Tensor, temperature: float, top_k: int | None) -> Tensor:
+# Prompt rows per query block of a prefill (model.TransformerBlock.prefill): a prompt up to this length runs as
+# one block; a longer one keeps its activations and attention to blocks of this many rows (an FFN block of 2048
+# rows holds ~120 MB of fp32 activations for the 0.5B), while GEMMs of 2048 rows run at full speed.
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+def prefill(model: Transformer, idx: Tensor, temperature: float, top_k: int | None,
+            chunk: int | None = DEFAULT_PREFILL_CHUNK, dtype: torch.dtype | None = None) -> Tensor:
+    """The prompt idx [B, S] into the caches, layer by layer in query blocks of `chunk` rows (None: one block),
+    the products in `dtype` (None: the model's); the token sampled after it [B, 1]."""
     if kvzip.needs_context_pass(model):  # KVzip scores need the whole model before any layer compresses
-        return sample(kvzip.prefill(model, idx), temperature, top_k)
-    return sample(model(idx), temperature, top_k)
+        return sample(kvzip.prefill(model, idx, chunk, dtype), temperature, top_k)
+    return sample(model(idx, prefill_chunk=chunk, prefill_dtype=dtype), temperature, top_k)
 
 
 # ---- what gets compiled ----------------------------------------------------------------------------------
@@ -247,12 +256,16 @@ class Decoder:
     stop_every = 8
 
     def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False,
-                 mode: str | None = None, scope: str | None = None, dynamic_capacity: bool = False):
+                 mode: str | None = None, scope: str | None = None, dynamic_capacity: bool = False,
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prefill_dtype: torch.dtype | None = None):
         self.model = model
         self.dynamic_capacity = compile and dynamic_capacity
         self.mode, self.scope, self.block_steps = None, None, None
         self.skip_guards = compile
-        self.prefill = prefill
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise KVFastError(f"the prefill chunk must be >= 1 token, got {prefill_chunk}")
+        self.prefill_compiled = compile_prefill
+        self.prefill = partial(prefill, chunk=prefill_chunk, dtype=prefill_dtype)
         self.steps = {recall: STEPS[recall, False] for recall in (False, True)}
         self.refresh, self.flush = WORK["refresh", False], WORK["flush", False]
         if compile:
@@ -271,7 +284,9 @@ class Decoder:
         if compile_prefill:
             if kvzip.needs_context_pass(model):
                 raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
-            self.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+            # one block: a symbolic prompt length splits into no data-dependent number of blocks
+            self.prefill = torch.compile(partial(prefill, chunk=None, dtype=prefill_dtype), fullgraph=True,
+                                         dynamic=True)
 
     def _compile(self) -> None:
         compiled = partial(torch.compile, mode=self.mode, fullgraph=True)
@@ -435,7 +450,7 @@ class Decoder:
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             call = self._call(S, temperature, top_k, False, True, None, None)
             rounds.reset()
-            if self.prefill is not prefill:  # compiled: same prompt, same shapes as the sample's prefill
+            if self.prefill_compiled:  # same prompt, same shapes as the sample's prefill
                 x = rounds.prefill(self.model, idx, temperature, top_k)
             else:  # decoding into empty caches is enough to compile the step; no prefill cost (kvzip's)
                 # the strides of the token sample() returns: dynamo guards on strides, even of size-1 dims

@@ -30,6 +30,7 @@ from compilecache import CompileCache, dynamo_count, graph_count
 from decode import (
     COMPILE_MODES,
     COMPILE_SCOPES,
+    DEFAULT_PREFILL_CHUNK,
     Decoder,
     configure_torch,
     synchronize,
@@ -62,6 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="random seed")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph)")
     p.add_argument("--compile-prefill", action="store_true", help="torch.compile prefill (dynamic shapes)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help="prefill layer by layer in query blocks of N prompt rows: memory grows with the prompt "
+                        "only by its hidden states and one layer's q / k / v, never by an S x S product "
+                        f"(default {DEFAULT_PREFILL_CHUNK}; a shorter prompt is one block; 0: one block whatever "
+                        "the length)")
+    p.add_argument("--prefill-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="precision of the prefill's products (default: the compute dtype); bfloat16 runs them "
+                        "on AMX / AVX512-BF16, ~3-4x fp32's speed, K/V and statistics still kept in the compute "
+                        "dtype")
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
                    help="torch.compile mode of the decode step and the refresh (default: reduce-overhead, "
                         "i.e. CUDA graphs, on CUDA; default on CPU, where reduce-overhead is an error)")
@@ -121,6 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     if args.num_samples <= 0 or args.batch_size <= 0:
         p.error("--num-samples and --batch-size must be > 0")
+    if args.prefill_chunk < 0:
+        p.error(f"--prefill-chunk must be >= 0 (0: one block), got {args.prefill_chunk}")
+    if args.compile_prefill and args.prefill_chunk and args.prefill_chunk != DEFAULT_PREFILL_CHUNK:
+        p.error("--compile-prefill compiles the prefill as one block (dynamic shapes): leave out --prefill-chunk")
     if args.top_k is not None and args.top_k <= 0:
         p.error("--top-k must be > 0")
     if args.temperature < 0:
@@ -161,18 +175,27 @@ def main(argv: list[str] | None = None) -> None:
         ragged.check_args(args)
     texts = ragged.read_prompts(args.prompts) if args.prompts else [read_prompt(args.prompt or DEFAULT_PROMPT)]
     questions = ragged.read_prompts(args.questions, "question", "--questions") if args.questions else None
-    header = snapshot.read_header(args.load_context, ("next_token", "room", "prefill_s")) if args.load_context else None
+    header = (snapshot.read_header(args.load_context, ("next_token", "room", "prefill_s", "chat_open"))
+              if args.load_context else None)
     if header is not None and args.prompt is not None:  # the prompt is the chunk after the context
         questions, texts = [texts[0]], [header["context_preview"]]
     kvcache.check_cache_args(args)  # bad policy, preset or flag: fail before loading the model
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load(checkpoint, args.device, dtype)
     tp.shard(model)  # this rank's heads and FFN columns, before the caches are sized for its heads
-    if args.chat:
+    # --chat with a context asked after (saved, loaded or --questions): the context opens a user turn, each
+    # question closes it, so every question reads as the end of the message that holds the context
+    args.chat_open = header["chat_open"] if header else bool(args.chat and (questions or args.save_context))
+    if header and args.chat and not args.chat_open:
+        raise KVFastError(f"--chat: {args.load_context} was saved without --chat; load it without --chat")
+    opening, closing = tokenizer.chat_turn_parts() if args.chat_open else ("", "")
+    if header is None and args.chat_open:
+        texts = [opening + texts[0] + "\n\n"]
+    elif args.chat and header is None:
         texts = [tokenizer.chat_prompt(t) for t in texts]
     rows = ([tokenizer.encode(t, bos=tokenizer.add_bos) for t in texts] if header is None else
             [header["context_ids"][0]])
-    chunks = [tokenizer.encode(q) for q in questions] if questions else None
+    chunks = [tokenizer.encode(q + closing) for q in questions] if questions else None
     if chunks and not all(chunks):
         raise KVFastError(f"question {[bool(c) for c in chunks].index(False) + 1} is empty")
     asked = max(map(len, chunks)) if chunks else 0  # the longest question, read after the context
@@ -217,7 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     model.setup_caches(make_cache)
     batch_caches = model.caches
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill,
-                      mode=args.compile_mode, scope=args.compile_scope, dynamic_capacity=args.dynamic_capacity)
+                      mode=args.compile_mode, scope=args.compile_scope, dynamic_capacity=args.dynamic_capacity,
+                      prefill_chunk=args.prefill_chunk or None,
+                      prefill_dtype=getattr(torch, args.prefill_dtype) if args.prefill_dtype else None)
     runner = decoder if args.speculate is None else speculator(model, decoder, args, len(ids), dtype)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
     weight_bytes = model.weight_bytes()
@@ -273,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"prefill time: {t_prefill * 1000:.1f} ms")
     print(f"decode: {tok_s:.2f} tok/s per row, {tok_s * B:.2f} tok/s total")
     print(f"bandwidth achieved: {weight_bytes * tok_s / 1e9:.2f} GB/s (weights {weight_bytes / 1e6:.1f} MB per step)")
-    print(f"peak memory: {_peak_memory_gb(args.device):.2f} GB" + tp.describe(model))
+    print(f"peak memory: {peak_memory(args.device)}" + tp.describe(model))
     if compiled:
         print(f"compile mode: {decoder.mode or 'eager decode'}" + (f", scope {decoder.scope}" if decoder.scope else "")
               + (", dynamic capacity" if decoder.dynamic_capacity else "")
@@ -334,7 +359,8 @@ def ask(args: argparse.Namespace, model: Transformer, tokenizer, runner: Decoder
 def save(args: argparse.Namespace, model: Transformer, tokenizer, idx: Tensor, first: Tensor, room: int,
          t_prefill: float, expect: dict) -> None:
     """--save-context: the caches right after the context's prefill, with what a later run needs to go on."""
-    meta = {"context_ids": idx.tolist(), "next_token": first.tolist(), "room": room, "prefill_s": t_prefill, **expect}
+    meta = {"context_ids": idx.tolist(), "next_token": first.tolist(), "room": room, "prefill_s": t_prefill,
+            "chat_open": args.chat_open, **expect}
     snapshot.save_context(args.save_context, model, tokenizer, meta)
     print(f"context saved to {args.save_context} ({idx.shape[1]} tokens, {args.save_context.stat().st_size} bytes)")
 
@@ -379,10 +405,12 @@ def print_cache_stats(model: Transformer, factory: kvcache.CacheFactory) -> None
         print(line)
 
 
-def _peak_memory_gb(device: str) -> float:
+def peak_memory(device: str) -> str:
+    """The process's peak memory so far, one figure: CUDA's allocated peak, or the resident set's high-water mark
+    (weights, caches, activations, allocator slack: what the machine must hold)."""
     if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+        return f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (CUDA allocated)"
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (RSS)"  # KiB on Linux
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -354,6 +354,44 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     return out.view(B, H, S, D), probs
 
 
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None,
+                  causal: bool = False) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T / sqrt(D) + bias) v [B, H, r, D] in q's dtype and each row's log-sum-exp [B, H, r] (fp32).
+    q [B, H, r, D]; k, v [B, H_kv, m, D] with H a multiple of H_kv (GQA: query head h reads KV head h // g);
+    bias [r, m] or None; causal: row i sees keys 0..i (top-left aligned, r = m). On CPU one fused
+    flash-attention kernel returns both (GQA native, nothing is repeated, no r x m matrix); elsewhere they are
+    computed directly."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.device.type == "cpu":  # fp32 or bf16 inputs; the log-sum-exp comes back in fp32 either way
+        bias = bias if bias is None else bias.to(q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.to(q.dtype), v.to(q.dtype), 0.0,
+                                                                          causal, attn_mask=bias, scale=scale)
+    g = q.shape[1] // k.shape[1]
+    k, v = (x.float().repeat_interleave(g, dim=1) if g > 1 else x.float() for x in (k, v))
+    logits = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    logits = logits if bias is None else logits + bias
+    if causal:
+        logits = logits.masked_fill(torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), v).to(q.dtype), lse
+
+
+def prompt_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
+    """Causal attention of a block of prompt queries, q [B, H, L, D] at positions start..start + L - 1, over the
+    prompt's keys up to the block's last, k, v [B, H_kv, start + L, D]: what a prefill in query blocks computes
+    block by block (model.TransformerBlock.prefill). The first block is plain causal SDPA; a later one attends
+    in two fused passes, over the earlier keys (all visible) and causally over its own, merged by their
+    log-sum-exps: no mask, no L x (start + L) matrix per head."""
+    if start == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    own, own_lse = attention_lse(q, k[:, :, start:], v[:, :, start:], causal=True)
+    past, past_lse = attention_lse(q, k[:, :, :start], v[:, :, :start])
+    total = torch.logaddexp(own_lse, past_lse).unsqueeze(-1)
+    out = own.float() * (own_lse.unsqueeze(-1) - total).exp() + past.float() * (past_lse.unsqueeze(-1) - total).exp()
+    return out.to(q.dtype)
+
+
 class Codes(NamedTuple):
     """Channels of quantized K or V that attend_one_query reads without dequantizing them first: the values are
     codes * scale + zero, one scale and zero point per token ([B, H_kv, T, 1]) for these channels. packed: two

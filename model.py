@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import KVFastError, attend, cpu, int4_linear, linear
+from kernels import KVFastError, attend, cpu, int4_linear, linear, prompt_attention
 from kv.contract import AttentionCache
 
 
@@ -203,6 +203,44 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, recall)
         return h + self.feed_forward(self.ffn_norm(h))
 
+    def prefill(self, x: Tensor, cos: Tensor, sin: Tensor, chunk: int | None = None,
+                dtype: torch.dtype | None = None) -> Tensor:
+        """The block over a whole prompt x [B, S, dim] at positions 0..S-1 (cos, sin [S, D]), in query blocks of
+        `chunk` rows (None: one block, as forward()). The layer's q, k, v are projected block by block; each block
+        attends causally to the keys up to its own (kernels.prompt_attention) and runs the output projection and
+        the FFN; then the cache gets the whole prompt at once, so its prompt compression and statistics see all
+        of it (kv.prompt computes them in query blocks). Memory: x and the layer's q, k, v
+        grow with S; the blocks' activations ([chunk, intermediate]) and attention do not, and nothing is
+        S x S. dtype: the products' precision (bfloat16: AMX / AVX512-BF16 GEMMs and attention); q, k, v, the
+        residual stream and the cache stay in x's dtype. With several blocks x is overwritten in place."""
+        attn, S = self.attention, x.shape[1]
+        work = dtype or x.dtype
+        blocks = [(0, S)] if chunk is None or chunk >= S else [(a, min(S, a + chunk)) for a in range(0, S, chunk)]
+        if len(blocks) == 1:
+            q, k, v = attn.project(self.attention_norm(x).to(work), cos, sin)
+        else:
+            B, D = x.shape[0], attn.head_dim
+            q = x.new_empty(B, attn.n_heads, S, D)
+            k, v = (x.new_empty(B, attn.n_kv_heads, S, D) for _ in range(2))
+            for a, b in blocks:
+                parts = attn.project(self.attention_norm(x[:, a:b]).to(work), cos[a:b], sin[a:b])
+                for whole, part in zip((q, k, v), parts):
+                    whole[:, :, a:b] = part
+        q, k, v = (t.to(x.dtype) for t in (q, k, v))  # the cache and its statistics as in an fp32 prefill
+        if len(blocks) == 1:
+            out = prompt_attention(q.to(work), k.to(work), v.to(work))
+            if attn.kv_cache is not None:  # after the attention on the fresh K/V, as kv.contract says
+                attn.kv_cache.prefill(q, k, v)
+            h = x + attn.output(out).to(x.dtype)
+            return h + self.feed_forward(self.ffn_norm(h).to(work)).to(x.dtype)
+        for a, b in blocks:
+            out = prompt_attention(q[:, :, a:b].to(work), k[:, :, :b].to(work), v[:, :, :b].to(work), a)
+            h = x[:, a:b] + attn.output(out).to(x.dtype)
+            x[:, a:b] = h + self.feed_forward(self.ffn_norm(h).to(work)).to(x.dtype)
+        if attn.kv_cache is not None:
+            attn.kv_cache.prefill(q, k, v)
+        return x
+
 
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -230,18 +268,22 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = cache
 
     def forward(self, idx: Tensor, input_pos: Tensor | None = None, all_logits: bool = False,
-                recall: bool = False, run_block: Callable | None = None) -> Tensor:
+                recall: bool = False, run_block: Callable | None = None, prefill_chunk: int | None = None,
+                prefill_dtype: torch.dtype | None = None) -> Tensor:
         """idx: [B, S]. input_pos None = prefill of a fresh sequence at positions 0..S-1 (returns the last
-        position's logits, [B, 1, V], unless all_logits); else one decode token at input_pos ([1]), which
-        first recalls evicted tokens into the caches if `recall` (a tiered cache, kv.tiers), or a chunk of
-        tokens at consecutive positions input_pos [S] (the full cache only: speculate.py's verification)."""
-        h = self.hidden(idx, input_pos, recall, run_block)
+        position's logits, [B, 1, V], unless all_logits), layer by layer in query blocks of prefill_chunk rows
+        (TransformerBlock.prefill; None: one block), its products in prefill_dtype (None: the model's); else one
+        decode token at input_pos ([1]), which first recalls evicted tokens into the caches if `recall` (a tiered
+        cache, kv.tiers), or a chunk of tokens at consecutive positions input_pos [S] (the full cache only:
+        speculate.py's verification)."""
+        h = self.hidden(idx, input_pos, recall, run_block, prefill_chunk, prefill_dtype)
         return self.logits(h if all_logits else h[:, -1:])
 
     def hidden(self, idx: Tensor, input_pos: Tensor | None = None, recall: bool = False,
-               run_block: Callable | None = None) -> Tensor:
-        """The final hidden states; run_block(layer, x, cos, sin, input_pos, recall) runs each layer instead of
-        calling it (generate.py's --compile-scope block: one nested compile region for every layer)."""
+               run_block: Callable | None = None, prefill_chunk: int | None = None,
+               prefill_dtype: torch.dtype | None = None) -> Tensor:
+        """The final hidden states; run_block(layer, x, cos, sin, input_pos, recall) runs each decode layer instead
+        of calling it (generate.py's --compile-scope block: one nested compile region for every layer)."""
         if input_pos is None:
             cos, sin = self.rope_cos[: idx.shape[1]], self.rope_sin[: idx.shape[1]]
         elif self.layers[0].attention.kv_cache.pos_shift:
@@ -253,7 +295,10 @@ class Transformer(nn.Module):
             if cache is not None:
                 cache.see_tokens(idx)
         for layer in self.layers:
-            x = run_block(layer, x, cos, sin, input_pos, recall) if run_block else layer(x, cos, sin, input_pos, recall)
+            if input_pos is None:
+                x = layer.prefill(x, cos, sin, prefill_chunk, prefill_dtype)
+            else:
+                x = run_block(layer, x, cos, sin, input_pos, recall) if run_block else layer(x, cos, sin, input_pos, recall)
         return self.norm(x)
 
     def logits(self, h: Tensor) -> Tensor:

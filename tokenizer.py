@@ -159,6 +159,12 @@ class Tokenizer:
         """One user turn in the model's chat format, ending with the assistant header."""
         return format_chat(self.chat_format, user, system if system is not None else self.default_system)
 
+    def chat_turn_parts(self, system: str | None = None) -> tuple[str, str]:
+        """chat_prompt's text before and after the user's words: a saved context is the opening of a user turn
+        (opening + context), and each question asked after it closes the turn (question + closing)."""
+        opening, closing = self.chat_prompt("\x00", system).split("\x00")
+        return opening, closing
+
 
 class TiktokenTokenizer(Tokenizer):
     """Byte-level BPE through tiktoken; special tokens are split off in Python before BPE."""

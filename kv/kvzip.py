@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from kernels import cpu, dequantize_int4
+from kernels import attention_lse, cpu, dequantize_int4
 from kv.contract import AttentionCache
 from kv.params import Param, boolean, choice, whole
 from kv.pool import AdaKVCache
@@ -129,14 +129,16 @@ class Recorder(AttentionCache):
         self.q, self.k, self.v = q, k, v
 
 
-def record_prefill(model: Transformer, idx: Tensor) -> tuple[list[tuple[Tensor, Tensor, Tensor]], Tensor]:
-    """One ordinary prefill of idx [B, S] with recorders as caches: per-layer (q, k, v) and the final hidden states
+def record_prefill(model: Transformer, idx: Tensor, chunk: int | None = None,
+                   dtype: torch.dtype | None = None) -> tuple[list[tuple[Tensor, Tensor, Tensor]], Tensor]:
+    """One ordinary prefill of idx [B, S] (in query blocks of `chunk` rows, products in `dtype`: Transformer's
+    prefill_chunk / prefill_dtype) with recorders as caches: per-layer (q, k, v) and the final hidden states
     [B, S, dim]. The model's caches are put back afterwards."""
     caches = [layer.attention.kv_cache for layer in model.layers]
     recorders = [Recorder() for _ in model.layers]
     model.setup_caches(lambda i: recorders[i])
     try:
-        hidden = model.hidden(idx)
+        hidden = model.hidden(idx, prefill_chunk=chunk, prefill_dtype=dtype)
     finally:
         model.setup_caches(lambda i: caches[i])
     return [(r.q, r.k, r.v) for r in recorders], hidden
@@ -149,22 +151,6 @@ def dense_weight(module: nn.Module) -> Tensor:
     if hasattr(module, "scales"):
         return module.weight.float() * module.scales.unsqueeze(-1)
     return module.weight.float()
-
-
-def attention_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """softmax(q k^T / sqrt(D) + bias) v [B, H_kv, r, D] and each row's log-sum-exp [B, H_kv, r] (fp32).
-    q: [B, H_kv, r, D] (a GQA group's queries stacked as rows); k, v: [B, H_kv, m, D]; bias [r, m] or None.
-    On CPU one fused flash-attention kernel returns both; elsewhere they are computed directly."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    if q.device.type == "cpu":  # fp32 or bf16 inputs; the log-sum-exp comes back in fp32 either way
-        bias = bias if bias is None else bias.to(q.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.to(q.dtype), v.to(q.dtype), 0.0,
-                                                                          False, attn_mask=bias, scale=scale)
-    q, k, v = q.float(), k.float(), v.float()
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-    logits = logits if bias is None else logits + bias
-    lse = torch.logsumexp(logits, dim=-1)
-    return torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), v), lse
 
 
 def reconstruction_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k: Tensor, v: Tensor, start: int, stop: int,
@@ -289,11 +275,12 @@ def needs_context_pass(model: Transformer) -> bool:
     return bool(kvzip_caches(model.caches))
 
 
-def prefill(model: Transformer, idx: Tensor) -> Tensor:
-    """Prefill idx [B, S] into the model's caches when some layer compresses with KVzip: record, score by
-    reconstruction, fill. Returns the last position's logits [B, 1, V], like model(idx). The seconds spent on
-    scoring are left in `model.kvzip_scoring_s` (read once by generate.py)."""
-    kv, hidden = record_prefill(model, idx)
+def prefill(model: Transformer, idx: Tensor, chunk: int | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """Prefill idx [B, S] into the model's caches when some layer compresses with KVzip: record (in query blocks
+    of `chunk` rows, products in `dtype`), score by reconstruction, fill. Returns the last position's logits
+    [B, 1, V], like model(idx). The seconds spent on scoring are left in `model.kvzip_scoring_s` (read once by
+    generate.py)."""
+    kv, hidden = record_prefill(model, idx, chunk, dtype)
     caches = model.caches
     memos = [{} for _ in caches]
     model.kvzip_scoring_s = score_into(model, idx, kv, caches, memos)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from compilecache import write_atomically
 from model import KVFastError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header says whether the context opens a chat turn (chat_open)
 HEADER_KEY = "kvfast_context"
 TOKENIZER_FILES = ("tokenizer.tiktoken", "tokenizer.model", "tokenizer_config.json")
 WHOLE_FILE_LIMIT = 64 << 20  # weights files up to this are hashed whole; larger ones by a sample (weights_digest)

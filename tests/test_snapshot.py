@@ -275,3 +275,40 @@ def test_an_unwritable_target_is_one_line(tmp_path):
 def test_one_new_token_is_the_prefills_alone(tiny_checkpoint, capsys):
     code, out, err = run(capsys, tiny_checkpoint, "--prompt", "Hello there", "--max-new-tokens", "1")
     assert code == 0 and "1 new tokens" in out, err
+
+
+def test_chat_questions_close_the_turn_the_context_opened(tiny_checkpoint, questions, tmp_path, capsys,
+                                                          monkeypatch):
+    """--chat with questions: the context is the opening of a user turn (system turn, user header, context) and
+    each question is fed as its end (question, end of turn, assistant header), saved or asked at once; a context
+    saved with --chat is loaded as one (its questions closed the same way), and --chat cannot reopen a context
+    saved without it."""
+    from tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    opening, closing = tokenizer.chat_turn_parts()
+    assert tokenizer.chat_prompt("hi") == opening + "hi" + closing and opening and closing
+    fed = []
+    feed = Decoder.feed
+    monkeypatch.setattr(Decoder, "feed", lambda self, chunk, *a, **k: fed.append(chunk[0].tolist()) or
+                        feed(self, chunk, *a, **k))
+    path = tmp_path / "chat.ctx"
+    code, out, err = run(capsys, tiny_checkpoint, *POLICIES["h2o"], "--chat", "--prompt", CONTEXT, "--questions",
+                         str(questions), "--save-context", str(path))
+    assert code == 0, err
+    texts = ["What time is it?", "How many apples?", "Who said it"]
+    assert fed == [tokenizer.encode(q + closing) for q in texts]
+    header = snapshot.read_header(path)
+    assert header["chat_open"] and header["context_ids"][0] == tokenizer.encode(opening + CONTEXT + "\n\n",
+                                                                                bos=tokenizer.add_bos)
+    fed.clear()
+    code, out2, err = run(capsys, tiny_checkpoint, *POLICIES["h2o"], "--load-context", str(path), "--prompt",
+                          texts[1])
+    assert code == 0, err
+    assert fed == [tokenizer.encode(texts[1] + closing)]
+    assert answers(out2) == [answers(out)[1]]  # the loaded context answers as the run that saved it
+    plain = tmp_path / "plain.ctx"
+    assert run(capsys, tiny_checkpoint, *POLICIES["h2o"], "--prompt", CONTEXT, "--save-context", str(plain))[0] == 0
+    code, _, err = run(capsys, tiny_checkpoint, *POLICIES["h2o"], "--chat", "--load-context", str(plain), "--prompt",
+                       texts[0])
+    assert code == 2 and err.strip().count("\n") == 0 and "was saved without --chat" in err, err
