@@ -19,7 +19,20 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import batch, engine, kv_bits, policies, prefill, quantize, ragged, speculate, tiers, tp
+from benchmarks import (
+    batch,
+    contexts,
+    engine,
+    kv_bits,
+    longctx,
+    policies,
+    prefill,
+    quantize,
+    ragged,
+    speculate,
+    tiers,
+    tp,
+)
 from benchmarks import compile as compile_bench
 from benchmarks.common import Bench, cpu_summary, write_json
 from cli import DEFAULT_CHECKPOINT, ArgumentParser, resolve_checkpoint, run_cli
@@ -29,7 +42,8 @@ from model import Transformer
 BENCHES: dict[str, Bench] = {  # `all` runs them in this order
     "engine": engine.BENCH, "policies": policies.BENCH, "kv-bits": kv_bits.BENCH, "quantize": quantize.BENCH,
     "prefill": prefill.BENCH, "tiers": tiers.BENCH, "speculate": speculate.BENCH, "batch": batch.BENCH,
-    "ragged": ragged.BENCH, "tp": tp.BENCH, "compile": compile_bench.BENCH,
+    "ragged": ragged.BENCH, "tp": tp.BENCH, "longctx": longctx.BENCH, "compile": compile_bench.BENCH,
+    "contexts": contexts.BENCH,
 }
 DEFAULT = "engine"
 

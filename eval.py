@@ -59,6 +59,7 @@ from evals.caches import (
     SHIFT,
     Evaluator,
     add_tier_flags,
+    combo_kv_bits,
     given_tier_flags,
     policy_params,
     split_combo_policy,
@@ -69,7 +70,7 @@ from evals.store import Store
 from model import KVFastError
 
 ROOT = Path(__file__).resolve().parent
-TASK_NAMES = ("passkey", "niah", *tasks.NIAH_NEEDLES, "fidelity", "ppl", "attention-loss")
+TASK_NAMES = ("passkey", "niah", *tasks.NIAH_NEEDLES, tasks.SHARED, "fidelity", "ppl", "attention-loss")
 MODES = ("agnostic", "aware")
 
 
@@ -82,12 +83,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=["full", "window", "h2o", "scissorhands", "snapkv"],
                    help=f"cache policies: {', '.join(kvcache.POLICIES)}; full is always the reference; POLICY+warm: "
                         "the same policy with tiers (kv.tiers) on, e.g. h2o+warm or hybrid+warm (not full, adakv or kvzip); "
-                        "POLICY+shift: with --pos-shift, e.g. window+shift")
+                        "POLICY+shift: with --pos-shift, e.g. window+shift; a last +kv16, +kv8 or +kv4: with "
+                        "--kv-bits, e.g. kvzip+kv4 or h2o+warm+kv8")
     p.add_argument("--pos-shift", action="store_true",
                    help="every policy but full as POLICY+shift (StreamingLLM's positions): a ppl window may then "
                         "exceed the model's length (full is left out of such windows)")
     p.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.125],
-                   help="cache budgets: fractions of prompt + new tokens (or slots per layer if > 1)")
+                   help="cache budgets: fractions of prompt + new tokens (or slots per layer if > 1); with "
+                        "--budget-unit bytes, fractions of the full cache's bytes")
+    p.add_argument("--budget-unit", choices=["slots", "bytes"], default="slots",
+                   help="slots: a budget is a share of the slots (each combo's bytes follow from its format); "
+                        "bytes: a share of the full cache's K/V bytes that every combo holds at most, everything "
+                        "counted (K/V at its bits, scales, positions, statistics, warm tier): each combo gets "
+                        "the slots (and warm tokens) that fit (kv.report.slots_for_bytes)")
+    p.add_argument("--warm-share", type=float, default=0.5,
+                   help="--budget-unit bytes: the share of a +warm combo's bytes its warm store gets (the hot "
+                        "slots get the rest)")
+    p.add_argument("--shared-questions", type=int, default=tasks.SHARED_QUESTIONS,
+                   help=f"{tasks.SHARED}: needles in each context, each asked in turn of one compressed cache")
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096],
                    help="prompt lengths in tokens for the retrieval and fidelity tasks")
     p.add_argument("--samples", type=int, default=20, help="samples per retrieval / fidelity cell")
@@ -163,12 +176,16 @@ def check_args(args: argparse.Namespace) -> None:
         args.policies = [p if p == "full" or p.endswith(SHIFT) else p + SHIFT for p in args.policies]
     for name in args.policies:
         policy, warm, shift = split_combo_policy(name)
+        bits = combo_kv_bits(name)[1]
         if policy not in kvcache.POLICIES:
             raise KVFastError(f"unknown cache policy {name!r} (choose from {', '.join(kvcache.POLICIES)}, each "
-                              "optionally +warm or +shift)")
-        if warm or shift:  # full, adakv and kvzip have no tiers: cache.py's one-line reason
+                              "optionally +warm or +shift, then +kv16, +kv8 or +kv4)")
+        if policy == "full" and bits:
+            raise KVFastError(f"--policies {name}: full is the reference, in the compute dtype")
+        if warm or shift or bits:  # full, adakv and kvzip have no tiers: cache.py's one-line reason
             try:
-                kvcache.CacheSpec(policy, tiers={"warm_tokens": 1.0} if warm else {}, pos_shift=shift).resolve()
+                kvcache.CacheSpec(policy, tiers={"warm_tokens": 1.0} if warm else {}, pos_shift=shift,
+                                  kv_bits=bits).resolve()
             except KVFastError as e:
                 raise KVFastError(f"--policies {name}: {e}") from None
             tiered = tiered or warm
@@ -181,6 +198,14 @@ def check_args(args: argparse.Namespace) -> None:
     for b in args.budgets:
         if b <= 0 or (b > 1 and b != int(b)):
             raise KVFastError(f"--budgets: {b:g} is neither a fraction in (0, 1] nor a whole number of slots")
+        if b > 1 and args.budget_unit == "bytes":
+            raise KVFastError(f"--budgets: {b:g} with --budget-unit bytes: give a fraction of the full cache's bytes")
+    if not 0 < args.warm_share < 1:
+        raise KVFastError(f"--warm-share must lie in (0, 1), got {args.warm_share:g}")
+    if args.shared_questions < 1:
+        raise KVFastError(f"--shared-questions must be >= 1, got {args.shared_questions}")
+    if tasks.SHARED in args.tasks and "agnostic" not in args.mode:
+        raise KVFastError(f"{tasks.SHARED} compresses the context before any question: it needs --mode agnostic")
     for name in ("samples", "ppl_samples", "ppl_every", "fidelity_tokens", "answer_room", "batch_size"):
         if getattr(args, name) <= 0:
             raise KVFastError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -229,6 +254,11 @@ def main(argv: list[str] | None = None) -> Path:
               "haystack": args.haystack, "ppl_text": args.ppl_text, "depths": args.depths,
               "fidelity_tokens": args.fidelity_tokens, "answer_room": args.answer_room, "ppl_length": args.ppl_length,
               "ppl_every": args.ppl_every, "ppl_decode_all": args.ppl_decode_all, "params": args.params}
+    # settings that change what a record means, only where not the default (earlier results folders stay valid)
+    if args.budget_unit != "slots":
+        config |= {"budget_unit": args.budget_unit, "warm_share": args.warm_share}
+    if tasks.SHARED in args.tasks and args.shared_questions != tasks.SHARED_QUESTIONS:
+        config["shared_questions"] = args.shared_questions
     store = Store(out, config, args.overwrite)
     t0 = time.perf_counter()
     # the cells as Ray tasks; the checkpoint and dtype say how a worker loads the model

@@ -19,6 +19,7 @@ import cache as kvcache
 from decode import Decoder
 from kv import kvzip
 from kv.contract import AttentionCache
+from kv.report import bytes_of, full_kv_bytes, slots_for_bytes
 from kv.tiers import DEFAULTS as TIER_FLAG_DEFAULTS
 from kv.tiers import TIER_FLAGS, add_tier_args, resolve_tiers, tier_report
 from model import KVFastError, Transformer
@@ -26,6 +27,7 @@ from model import KVFastError, Transformer
 # ---- tier combos (POLICY+warm): the policy and budget with kv.tiers on -------------------------------------------
 WARM = "+warm"
 SHIFT = "+shift"  # POLICY+shift: the policy with --pos-shift (StreamingLLM's positions)
+KV = "+kv"  # POLICY+kv16 / +kv8 / +kv4, last: the policy with --kv-bits (16-bit floats, 8 / 4-bit codes)
 # what a +warm combo gets for a tier flag left out (kv.tiers' own defaults, --warm-tokens included: eval and bench
 # turn tiers on by the combo, not by the flag); a combo's name lists the settings that differ from these
 TIER_DEFAULTS: dict[str, float] = {"warm_tokens": 1.0, **TIER_FLAG_DEFAULTS}
@@ -54,9 +56,20 @@ def tier_settings(args: argparse.Namespace) -> dict[str, float]:
     return settings
 
 
+def combo_kv_bits(name: str) -> tuple[str, int | None]:
+    """'h2o+warm+kv4' -> ('h2o+warm', 4); 'h2o' -> ('h2o', None). Bits other than 16, 8 or 4 are an error."""
+    head, sep, bits = name.rpartition(KV)
+    if not sep:
+        return name, None
+    if bits not in ("16", "8", "4"):
+        raise KVFastError(f"--policies {name}: {KV}{bits} is not a K/V format (+kv16, +kv8 or +kv4)")
+    return head, int(bits)
+
+
 def split_combo_policy(name: str) -> tuple[str, bool, bool]:
     """'h2o+warm' -> ('h2o', True, False); 'window+shift' -> ('window', False, True); 'h2o' -> ('h2o', False,
-    False)."""
+    False); a +kvN suffix is left out (combo_kv_bits)."""
+    name = combo_kv_bits(name)[0]
     shift = name.endswith(SHIFT)
     name = name[: -len(SHIFT)] if shift else name
     if name.endswith(WARM):
@@ -230,14 +243,13 @@ def policy_params(policy: str) -> set[str]:
                                                                    else set())
 
 
-
-
 @dataclass(frozen=True)
 class Combo:
     policy: str
     budget: float | None  # None: full, no compression
     tiers: tuple[tuple[str, float], ...] | None = None  # POLICY+warm: kv.tiers settings (TIER_FLAGS order)
     pos_shift: bool = False  # POLICY+shift
+    kv_bits: int | None = None  # POLICY+kvN: --kv-bits N
 
     @property
     def is_full(self) -> bool:
@@ -248,10 +260,11 @@ class Combo:
         """The policy as results record it: h2o, h2o+warm, or h2o+warm[warm-bits=8] when tier settings differ
         from TIER_DEFAULTS (so that cells of other settings are other cells)."""
         shift = SHIFT if self.pos_shift else ""
+        bits = f"{KV}{self.kv_bits}" if self.kv_bits else ""
         if self.tiers is None:
-            return self.policy + shift
+            return self.policy + shift + bits
         changed = [f"{k.replace('_', '-')}={v:g}" for k, v in self.tiers if v != TIER_DEFAULTS[k]]
-        return self.policy + WARM + (f"[{','.join(changed)}]" if changed else "") + shift
+        return self.policy + WARM + (f"[{','.join(changed)}]" if changed else "") + shift + bits
 
     def label(self) -> str:
         if self.is_full:
@@ -267,16 +280,60 @@ class Evaluator:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.bank: dict[tuple, list[nn.Module]] = {}
+        self.byte_budgets: dict[tuple, Any] = {}
         self.stop_ids = getattr(tokenizer, "stop_ids", None) or None
         self.n_layers = model.args.n_layers
 
     # -- caches
     def factory(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> kvcache.CacheFactory:
+        """The combo's caches: its budget in slots, or (--budget-unit bytes) the slots and warm tokens that hold
+        that fraction of the full cache's bytes (byte_budget)."""
+        budget, tiers = combo.budget, dict(combo.tiers) if combo.tiers else None
+        if budget is not None and getattr(self.args, "budget_unit", "slots") == "bytes":
+            budget, warm = self.byte_budget(combo, prompt_len, max_new)
+            tiers = tiers and {**tiers, "warm_tokens": warm}
+        return self.make_factory(combo, B, prompt_len, max_new, budget, tiers)
+
+    def make_factory(self, combo: Combo, B: int, prompt_len: int, max_new: int, budget: float | None,
+                     tiers: dict | None) -> kvcache.CacheFactory:
         params = {k: v for k, v in self.args.params.items() if k in policy_params(combo.policy)}
-        tiers = dict(combo.tiers) if combo.tiers else None
-        return kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new, budget=combo.budget,
+        return kvcache.make_cache_factory(combo.policy, B, self.model.args, prompt_len, max_new, budget=budget,
                                           dtype=self.dtype, device=self.device, tokenizer=self.tok, tiers=tiers,
-                                          pos_shift=combo.pos_shift, **params)
+                                          pos_shift=combo.pos_shift, kv_bits=combo.kv_bits, **params)
+
+    def byte_budget(self, combo: Combo, prompt_len: int, max_new: int) -> tuple[int, int | None]:
+        """Slots per layer (and, for a +warm combo, warm tokens: --warm-share of the bytes) whose caches hold at
+        most combo.budget of the full cache's bytes for prompt_len + max_new tokens (kv.report's accounting)."""
+        key = (combo, prompt_len, max_new)
+        if key not in self.byte_budgets:
+            total = prompt_len + max_new
+            tiers = dict(combo.tiers) if combo.tiers else None
+
+            def make(slots: int, warm: int | None) -> kvcache.CacheFactory:
+                return self.make_factory(combo, 1, prompt_len, max_new, slots, tiers and {**tiers, "warm_tokens": warm})
+
+            share = self.args.warm_share if tiers else 0.0
+            page = int(tiers["page_size"]) if tiers else 1
+            full = full_kv_bytes(self.model.args, 1, total, self.dtype)
+            self.byte_budgets[key] = slots_for_bytes(make, combo.budget, full, total, share, page,
+                                                     f"{combo.label()} at {prompt_len} + {max_new} tokens")
+        return self.byte_budgets[key]
+
+    def bytes_fields(self, combo: Combo, B: int, prompt_len: int, max_new: int) -> dict[str, Any]:
+        """What the combo's caches hold (kv.report.cache_bytes: K/V as stored, positions, statistics, warm tier)
+        as a share of the full cache's K/V for prompt_len + max_new tokens; in bytes mode the slots (and warm
+        tokens) that budget gave. Computed from the shapes (meta device), once per size."""
+        key = (combo, B, prompt_len, max_new, "fields")
+        if key not in self.byte_budgets:
+            full = full_kv_bytes(self.model.args, B, prompt_len + max_new, self.dtype)
+            parts = bytes_of(self.factory(combo, B, prompt_len, max_new))
+            fields: dict[str, Any] = {"bytes_frac": round(sum(parts.values()) / full, 5),
+                                      "bytes": {k: round(v / full, 5) for k, v in parts.items()}}
+            if combo.budget is not None and getattr(self.args, "budget_unit", "slots") == "bytes":
+                slots, warm = self.byte_budget(combo, prompt_len, max_new)
+                fields |= {"slots": slots, **({"warm_tokens": warm} if warm else {})}
+            self.byte_budgets[key] = fields
+        return self.byte_budgets[key]
 
     def check_tiered(self, combos: list[Combo], sizes: set[tuple[int, int]]) -> None:
         """Tier settings that do not fit a (prompt length, new tokens) size (a warm store smaller than a page,
@@ -306,8 +363,9 @@ class Evaluator:
         MultiCache cannot view) alone; the others by budget, within --group-gb of K/V buffers and with at most
         one refresh interval (the decode loop refreshes every member at that interval); tiered combos (+warm)
         last, each alone (the decode loop flushes and recalls the caches it runs; MultiCache does neither), as are
-        POLICY+shift combos (MultiCache's shared K/V would need every member's ranks)."""
-        tiered = [c for c in combos if c.tiers is not None or c.pos_shift]
+        POLICY+shift combos (MultiCache's shared K/V would need every member's ranks) and POLICY+kvN combos
+        (MultiCache shares one buffer in the compute dtype)."""
+        tiered = [c for c in combos if c.tiers is not None or c.pos_shift or c.kv_bits]
         pool = [c for c in combos if not c.is_full and kvcache.POLICIES[c.policy].layout == "pool"
                 and c not in tiered]
         out = [[c] for c in combos if c.is_full] + [[c] for c in pool]

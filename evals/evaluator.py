@@ -19,8 +19,8 @@ import torch
 
 import cache as kvcache
 from decode import truncate_at_stop
-from evals import tasks
-from evals.caches import Combo, Evaluator, MultiCache, split_combo_policy, tier_fields
+from evals import shared, tasks
+from evals.caches import Combo, Evaluator, MultiCache, combo_kv_bits, split_combo_policy, tier_fields
 from evals.store import NO_MODE, Store, add_record, head_fields, record_key
 from evals.text import run_windows
 from model import Transformer
@@ -31,8 +31,10 @@ def combos_of(args: argparse.Namespace) -> list[Combo]:
     combos = [Combo("full", None)]
     for name in args.policies:
         policy, warm, shift = split_combo_policy(name)
-        tiers = tuple(args.tiers.items()) if warm else None
-        combos += [Combo(policy, b, tiers, shift) for b in args.budgets if policy != "full"]
+        bits = combo_kv_bits(name)[1]
+        # a token is quantized once: with 8 / 4-bit codes the warm tier keeps the hot codes, at their bits
+        tiers = tuple({**args.tiers, **({"warm_bits": bits} if bits in (8, 4) else {})}.items()) if warm else None
+        combos += [Combo(policy, b, tiers, shift, bits) for b in args.budgets if policy != "full"]
     return combos
 
 
@@ -108,7 +110,8 @@ def run_prompts(ev: Evaluator, prompts: list[tasks.Prompt], wanted: list[str], c
                 cap = sorted({c.members[j].capacity if isinstance(c, MultiCache) else c.capacity for c in caches})
                 base = {"length": L, "policy": combo.name, "budget": combo.budget, "mode": mode,
                         "prompt_tokens": S + Q, "context_tokens": S, "capacity": cap[0] if len(cap) == 1 else cap,
-                        "time_s": round(elapsed, 4), "prefill_s": round(prefill_s, 4)}
+                        "time_s": round(elapsed, 4), "prefill_s": round(prefill_s, 4),
+                        **ev.bytes_fields(combo, B, n, total - n)}
                 if kvzip_s and combo.policy == "kvzip":
                     base["kvzip_s"] = round(kvzip_s, 4)
                 if combo.tiers:
@@ -172,7 +175,8 @@ class Inputs:
         if (source, length) not in self.memo:
             n = min(a.samples, a.limit or a.samples)
             self.memo[(source, length)] = tasks.make_prompts(source, self.ev.tok, self.framing, length, n, a.seed,
-                                                             a.depths, self.memo.get("sentences"))
+                                                             a.depths, self.memo.get("sentences"),
+                                                             getattr(a, "shared_questions", tasks.SHARED_QUESTIONS))
         return self.memo[(source, length)]
 
     def windows(self) -> list[list[int]]:
@@ -214,7 +218,8 @@ def cell_keys(cell: Cell, combos: list[Combo], args: argparse.Namespace, max_seq
     if cell.source == TEXT:  # attention loss follows full; full cannot read a window past the model's length
         return [record_key(t, cell.length, i, c, NO_MODE) for t in cell.wanted for c in combos for i in cell.indices
                 if not (c.is_full and (t == "attention-loss" or cell.length > max_seq_len))]
-    return [record_key(t, cell.length, i, c, mode) for mode in args.mode for c in combos for t in cell.wanted
+    modes = [shared.MODE] if cell.source == tasks.SHARED else args.mode
+    return [record_key(t, cell.length, i, c, mode) for mode in modes for c in combos for t in cell.wanted
             for i in cell.indices]
 
 
@@ -224,7 +229,11 @@ def run_cell(ev: Evaluator, inputs: Inputs, cell: Cell, combos: list[Combo], sto
         run_windows(ev, [windows[i] for i in cell.indices], list(cell.indices), list(cell.wanted), combos, store, bar)
     else:
         prompts = inputs.prompts(cell.source, cell.length)
-        run_prompts(ev, [prompts[i] for i in cell.indices], list(cell.wanted), combos, store, bar)
+        batch = [prompts[i] for i in cell.indices]
+        if cell.source == tasks.SHARED:
+            shared.run_shared(ev, batch, combos, store, bar)
+        else:
+            run_prompts(ev, batch, list(cell.wanted), combos, store, bar)
 
 
 # a runner of cells elsewhere (evals.ray.run_cells with its cluster bound): (cells to do, each cell's record keys,

@@ -13,7 +13,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-TASK_ORDER = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "fidelity", "ppl", "attention-loss")
+TASK_ORDER = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "shared_context", "fidelity", "ppl",
+              "attention-loss")
 FIDELITY = (("kl", "KL"), ("top1", "top-1"), ("prefix", "prefix"))
 
 
@@ -97,16 +98,26 @@ def budget_text(b: float | None) -> str:
     return f"{b * 100:g}%" if b <= 1 else f"{b:g} slots"
 
 
+def bytes_text(rs: list[dict]) -> str:
+    """What a row's caches hold as a share of the full cache's K/V (kv.report's accounting; the mean over its
+    records' sizes: the lengths differ a little in how the answer room weighs)."""
+    fracs = [r["bytes_frac"] for r in rs if "bytes_frac" in r]
+    return f"{100 * sum(fracs) / len(fracs):.1f}" if fracs else ""
+
+
 def table(records: list[dict], cols: list[tuple[str, int, str, str]]) -> list[str]:
     modes = sorted({r["mode"] for r in records if r["mode"] != "-"}) or ["-"]
     by: dict[tuple, list[dict]] = defaultdict(list)
+    rows: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         by[(r["task"], r["length"], r["policy"], r["budget"], r["mode"])].append(r)
-    head = ["policy", "budget"] + (["mode"] if modes != ["-"] else []) + [c[3] for c in cols]
+        rows[row_key(r)].append(r)
+    head = ["policy", "budget"] + (["mode"] if modes != ["-"] else []) + ["bytes %"] + [c[3] for c in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for policy, budget in order_rows(records):
         for mode in modes:
-            cells = [policy, budget_text(budget)] + ([mode] if modes != ["-"] else [])
+            cells = [policy, budget_text(budget)] + ([mode] if modes != ["-"] else []) + [
+                bytes_text(rows[(policy, budget)])]
             for task, L, metric, _ in cols:
                 m = "-" if task in ("ppl", "attention-loss") else mode
                 cells.append(cell(by.get((task, L, policy, budget, m), []), task, metric))
@@ -137,8 +148,14 @@ def summary(records: list[dict], config: dict[str, Any], wall_s: float | None = 
               "(ppl: of the window). Retrieval: mean score ± standard error. Fidelity against full: KL in nats/token, "
               f"top-1 agreement, greedy prefix matching full (tokens, of {config.get('fidelity_tokens')}). ppl@p: "
               "perplexity of the first p tokens of each window.")
+    if config.get("budget_unit") == "bytes":
+        legend = legend.replace("Budget = cache slots per layer as a fraction of prompt + ", "Budget = the most "
+                                "bytes a combo's caches may hold, as a fraction of the full cache's K/V for prompt + ")
+    legend += (" bytes %: everything the caches hold (K/V as stored, scales, positions, statistics, warm tier) as a "
+               "share of the full cache's K/V in the compute dtype.")
     lines += ["", legend, ""]
     lines += table(records, columns(records))
+    lines += shared_table([r for r in records if r["task"] == "shared_context"])
     text = [r for r in records if r["task"] in ("ppl", "attention-loss")]
     if text and len(columns(text, True)) > len(columns(text)):
         lines += ["", "## Perplexity and attention loss at every position", ""]
@@ -161,6 +178,32 @@ def summary(records: list[dict], config: dict[str, Any], wall_s: float | None = 
     lines += ["", "Prefill (once per sample, shared by every policy and budget): " + ", ".join(
         f"{k} {sum(v) / len(v):.2f} s" for k, v in prefill.items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def shared_table(rs: list[dict]) -> list[str]:
+    """shared_context: each turn's score (the questions asked in turn of one compressed context) and the time
+    per sample with reuse (one prefill + compression, a restore per question) against a fresh prefill +
+    compression per question."""
+    if not rs:
+        return []
+    n = max(len(r["turns"]) for r in rs)
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rs:
+        by[(r["length"],) + row_key(r)].append(r)
+    lines = ["", "## Shared context: one compressed context, questions in turn", "",
+             ("Each question restores the caches as compressed (kv.snapshot). Time per sample: reuse = prefill + "
+             "compression + every restore and answer; fresh = a prefill + compression per question + every answer."),
+             "", "| policy | budget | length | " + " | ".join(f"q{i + 1}" for i in range(n))
+             + " | reuse s | fresh s | fresh / reuse |", "|" + "---|" * (n + 6)]
+    for L in sorted({r["length"] for r in rs}):
+        for policy, budget in order_rows([r for r in rs if r["length"] == L]):
+            group = by[(L, policy, budget)]
+            turns = [f"{mean_se([r['turns'][i] for r in group])[0]:.2f}" for i in range(n)]
+            reuse = sum(r["reuse_s"] for r in group) / len(group)
+            fresh = sum(r["fresh_s"] for r in group) / len(group)
+            lines.append(f"| {policy} | {budget_text(budget)} | {L} | " + " | ".join(turns)
+                         + f" | {reuse:.2f} | {fresh:.2f} | {fresh / reuse:.1f}x |")
+    return lines
 
 
 # ---- plots -----------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ def record_key(task: str, length: int, index: int, combo: Combo, mode: str) -> s
 
 
 CONFIG_KEYS = ("checkpoint", "seed", "chat", "dtype", "haystack", "ppl_text", "depths", "fidelity_tokens",
-               "answer_room", "ppl_length", "ppl_every", "ppl_decode_all", "params")
+               "answer_room", "ppl_length", "ppl_every", "ppl_decode_all", "params", "budget_unit", "warm_share",
+               "shared_questions")
 
 
 class Store:

@@ -29,9 +29,10 @@ TEXT_SOURCES = {
     "jargon": "jargon-text/usr/share/doc/jargon-text/jargon.txt.gz",
     "kjv": "kjv.txt",
 }
-RETRIEVAL_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue")
+SHARED = "shared_context"  # several needles, each asked in turn of one compressed context (evals.shared)
+RETRIEVAL_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", SHARED)
 # answer tokens decoded per task (the answer is short; RULER allows more, our budget is the CPU)
-ANSWER_TOKENS = {"passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48}
+ANSWER_TOKENS = {"passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, SHARED: 16}
 SPLIT_MARK = "\x00KVFAST-QUESTION\x00"
 
 
@@ -54,6 +55,13 @@ class Prompt:
     question: list[int]
     answers: list[str]
     meta: dict[str, Any] = field(default_factory=dict)
+    # shared_context: the later questions asked of the same context, each (question ids, references)
+    followups: list[tuple[list[int], list[str]]] = field(default_factory=list)
+
+    @property
+    def turns(self) -> list[tuple[list[int], list[str]]]:
+        """Every question asked of the context, in turn, with its references."""
+        return [(self.question, self.answers), *self.followups]
 
     @property
     def uid(self) -> str:
@@ -270,6 +278,7 @@ NOUNS = ("anchor", "badger", "banjo", "beacon", "blanket", "cactus", "canyon", "
          "jacket", "kettle", "lantern", "magnet", "meadow", "mirror", "needle", "orchard", "otter", "pencil",
          "pepper", "pillow", "quarry", "rabbit", "saddle", "teapot", "tunnel", "violin", "walrus", "whistle")
 NIAH_NEEDLES = {"niah_single": (1, 1), "niah_multikey": (4, 1), "niah_multivalue": (1, 4)}  # (keys, values)
+SHARED_QUESTIONS = 4  # shared_context's default: needles in the context, each asked in turn (--shared-questions)
 
 _key_cache: dict[tuple[int, bool], list[str]] = {}
 
@@ -291,8 +300,10 @@ def niah_question(tok: TokenizerLike, framing: Framing, key: str) -> list[int]:
 
 
 def niah_prompt(task: str, tok: TokenizerLike, framing: Framing, length: int, index: int, seed: int,
-                depths: list[float], sentences: list[list[int]]) -> Prompt:
-    n_keys, n_values = NIAH_NEEDLES[task]
+                depths: list[float], sentences: list[list[int]], asked: int = 1) -> Prompt:
+    """A RULER-style needle prompt; asked > 1 (shared_context): `asked` keys with one value each, every key asked
+    in turn (the first at the grid depth), each question as long as the others."""
+    n_keys, n_values = NIAH_NEEDLES[task] if asked == 1 else (asked, 1)
     rng = rng_for(seed, task, length, index)
     keys = rng.sample(niah_keys(tok, framing), n_keys)
     query = keys[0]
@@ -309,10 +320,11 @@ def niah_prompt(task: str, tok: TokenizerLike, framing: Framing, length: int, in
     units = sentences[start:] + sentences[:start]
     budget = length - len(intro) - len(question)
     hay, actual, offsets = assemble(units, needles, budget, f"{task}@{length}")
+    followups = [(niah_question(tok, framing, key), values[i]) for i, key in enumerate(keys) if 0 < i < asked]
     return Prompt(task, length, index, intro + hay, question, values[0],
                   {"depth": round(actual[0], 4), "requested_depth": needles[0][0], "key": query,
                    "depths": [round(d, 4) for d in actual], "needle_offsets": [len(intro) + o for o in offsets],
-                   "haystack_start": start})
+                   "haystack_start": start, **({"keys": keys} if asked > 1 else {})}, followups)
 
 
 def encode_sentences(tok: TokenizerLike, sentences: list[str]) -> list[list[int]]:
@@ -330,14 +342,16 @@ def haystack_units(tok: TokenizerLike, haystack: str) -> list[list[int]]:
 
 
 def make_prompts(task: str, tok: TokenizerLike, framing: Framing, length: int, n: int, seed: int,
-                 depths: list[float], sentences: list[list[int]] | None = None) -> list[Prompt]:
-    """The first n samples of a (task, length) cell."""
+                 depths: list[float], sentences: list[list[int]] | None = None,
+                 questions: int = SHARED_QUESTIONS) -> list[Prompt]:
+    """The first n samples of a (task, length) cell; shared_context asks `questions` keys of each context."""
     if task == "passkey":
         return [passkey_prompt(tok, framing, length, i, seed, depths) for i in range(n)]
-    if task in NIAH_NEEDLES:
+    if task in NIAH_NEEDLES or task == SHARED:
         if not sentences:
             raise KVFastError("niah needs a haystack text with prose sentences")
-        return [niah_prompt(task, tok, framing, length, i, seed, depths, sentences) for i in range(n)]
+        asked = questions if task == SHARED else 1
+        return [niah_prompt(task, tok, framing, length, i, seed, depths, sentences, asked) for i in range(n)]
     raise KVFastError(f"unknown retrieval task {task!r}")
 
 

@@ -66,7 +66,7 @@ def run_windows(ev: Evaluator, windows: list[list[int]], indices: list[int], wan
                        "budget": combo.budget, "mode": NO_MODE, "capacity": cap, "metrics": metrics[row],
                        "score": metrics[row][f"{metric}@{T}"], "time_s": round(elapsed, 4),
                        "prefill_s": round(prefill_s, 4), **({"tiers": dict(combo.tiers)} if combo.tiers else {}),
-                       **extra[row]})
+                       **ev.bytes_fields(combo, B, T, 0), **extra[row]})
             bar.update(1)
         store.save()
 
