@@ -1,8 +1,9 @@
 """The kernels of a forward pass on CPU or CUDA, and the one place that chooses them for this CPU.
 
 Linear layers: `linear` (fp32 / bfloat16 / int8 weights) and `int4_linear` take, inside a compiled CPU step,
-per-row multiply-and-sum reductions, a blocked GEMM or F.linear; `linear_path` names the choice for a weight
-dtype and a number of rows. Attention: `attend`, the model's one attention call site, and the fused one-query
+per-row multiply-and-sum reductions, integer dot products (int8 / int4 codes times Q8_0 activations,
+kernels_cpu.cpp, where the CPU has AVX2 or AVX-512 VNNI), a blocked GEMM or F.linear; `linear_path` names the
+choice for a weight dtype and a number of rows. Attention: `attend`, the model's one attention call site, and the fused one-query
 kernels of a compiled CPU decode step.
 
 `cpu()` probes the CPU once; every CPU-dependent choice (the GEMM thresholds here, kv.quant's --kv-float auto)
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
+
+import kernels_cpu
 
 
 class KVFastError(Exception):
@@ -132,8 +135,8 @@ def force_cpu(kind: str | None) -> _Restore:
 
 
 def _choose(kind: str | None) -> None:
-    global _cpu, _forced, GEMM_MIN_ROWS
-    _cpu, _forced, GEMM_MIN_ROWS = None, kind, None
+    global _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS
+    _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS = None, kind, None, None
     torch._dynamo.reset()
 
 
@@ -183,6 +186,40 @@ def gemm_rows(dtype: torch.dtype) -> int:
     return GEMM_MIN_ROWS.get(dtype, 1 << 30)
 
 
+# ---- integer dot products (kernels_cpu.cpp) ---------------------------------------------------------------------
+INT_DTYPES = (torch.int8, torch.uint8)  # int8 weights; uint8: int4 codes
+
+
+def int_paths(chip: CPU | None = None) -> dict[torch.dtype, str]:
+    """Per quantized weight dtype, the kernel of its one-token products on `chip` (default: cpu()) where the
+    integer dot products win: "int-dot-<isa>" (kernels_cpu.cpp: Q8_0 activations times the codes in int32), else
+    absent (Inductor's fused reductions). Chosen by what the CPU has, from measurements on SmolLM2-135M's shapes
+    (docs/speed.md, "Integer dot products"): with AVX-512 VNNI or AVX2 both int8 and int4 codes multiply faster
+    as integers than converted to fp32 inside Inductor's reductions; without AVX2 the plain C++ loops lose."""
+    chip = chip or cpu()
+    isa = kernels_cpu.isa_of(chip, native_cpu())
+    if isa == "scalar" or kernels_cpu.ops(isa) is None:
+        return {}
+    return {dtype: f"int-dot-{isa}" for dtype in INT_DTYPES}
+
+
+_INT_PATHS: dict[torch.dtype, str] | None = None  # int_paths(), filled at first use
+
+
+@torch._dynamo.assume_constant_result  # run, not traced (it may build the kernels): a constant of the graph
+def int_path(dtype: torch.dtype) -> str:
+    """int_paths()'s kernel for `dtype` weights, "reductions" where it has none."""
+    global _INT_PATHS
+    if _INT_PATHS is None:
+        _INT_PATHS = int_paths()
+    return _INT_PATHS.get(dtype, "reductions")
+
+
+def int_ops() -> object:
+    """The op namespace of the chosen integer kernels (torch.ops.kvfast_<isa>)."""
+    return kernels_cpu.ops(kernels_cpu.isa_of(cpu(), native_cpu()))
+
+
 def gemm_path(dtype: torch.dtype) -> str:
     """The GEMM of `dtype` weights (fp32, bfloat16, int8), as linear_path names it. No table: a compiled graph
     under block scope can't guard a read of a module's dict."""
@@ -194,19 +231,55 @@ def gemm_path(dtype: torch.dtype) -> str:
 def linear_path(dtype: torch.dtype, rows: int, one_token: bool = True, compiled: bool = True) -> str:
     """The kernel of a linear layer with `dtype` weights (uint8: int4) over `rows` rows on this CPU, one token
     per row (a batched decode step) or not (a verification's tokens): "f-linear" (eager, CUDA, or a dynamic
-    row count: ATen's GEMM), "reductions" (per_row, up to MAX_REDUCTION_ROWS rows), or from gemm_rows(dtype)
-    one-token rows gemm_path(dtype). Reductions: torch's fp32 GEMV streams weights at a fraction of the memory
+    row count: ATen's GEMM), up to MAX_REDUCTION_ROWS rows "reductions" (per_row) or for int8 / int4 weights
+    int_path(dtype) (integer dot products, each row on its own), or from gemm_rows(dtype) one-token rows
+    gemm_path(dtype). Reductions: torch's fp32 GEMV streams weights at a fraction of the memory
     bandwidth, while Inductor turns a multiply-and-sum into one vectorized, parallel reduction that reads each
     weight once (decode is bandwidth-bound) and fuses any dequantization of int8 / int4 weights into it."""
     if not compiled or not isinstance(rows, int):  # a SymInt under a dynamic-shape compile (--compile-prefill)
         return "f-linear"
     if one_token and rows >= gemm_rows(dtype):
         return gemm_path(dtype)
-    return "reductions" if rows <= MAX_REDUCTION_ROWS else "f-linear"
+    if rows > MAX_REDUCTION_ROWS:
+        return "f-linear"
+    return int_path(dtype) if dtype in INT_DTYPES else "reductions"
+
+
+_integer_everywhere = False  # integer_products("everywhere")
+
+
+class integer_products:
+    """Where the integer dot products run, for measuring them (bench.py quantize, engine). "everywhere": every eager
+    CPU product of int8 / int4 weights, whatever its rows, takes int_path(dtype), so a teacher-forced forward
+    measures the quality of a decode step's products (each row is quantized and multiplied on its own, as there).
+    "nowhere": none (Inductor's reductions in fp32, their baseline); compiled graphs are dropped on entry and exit."""
+
+    def __init__(self, where: str) -> None:
+        if where not in ("everywhere", "nowhere"):
+            raise KVFastError(f"integer_products: 'everywhere' or 'nowhere', not {where!r}")
+        self.where = where
+
+    def __enter__(self) -> None:
+        global _integer_everywhere, _INT_PATHS
+        if self.where == "everywhere":
+            _integer_everywhere = True
+        else:
+            _INT_PATHS = {}
+            torch._dynamo.reset()
+
+    def __exit__(self, *exc: object) -> None:
+        global _integer_everywhere, _INT_PATHS
+        if self.where == "everywhere":
+            _integer_everywhere = False
+        else:
+            _INT_PATHS = None
+            torch._dynamo.reset()
 
 
 def _path(x: Tensor, dtype: torch.dtype) -> str:
     """linear_path for x [..., in] where it runs: compiled on CPU, one token per row if [B, 1, in]."""
+    if _integer_everywhere and dtype in INT_DTYPES and x.device.type == "cpu":
+        return int_path(dtype)
     compiled = torch.compiler.is_compiling() and x.device.type == "cpu"
     return linear_path(dtype, x.shape[:-1].numel(), compiled and x.dim() == 3 and x.shape[1] == 1, compiled)
 
@@ -264,6 +337,8 @@ def int8_gemm(x: Tensor, codes: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
     """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`."""
     path = _path(x, weight.dtype)
+    if path.startswith("int-dot") and scales is not None:
+        return int_ops().int8_linear(x.float(), weight, scales).to(x.dtype)
     if path == "int8pack-mm":
         y = int8_gemm(x, weight)
     elif path.startswith("gemm-onednn"):
@@ -282,9 +357,19 @@ def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
     return (codes.to(scales.dtype) * scales[..., None] + offsets[..., None]).view(out, -1)
 
 
+def int4_dot_fits(in_features: int, n_groups: int) -> bool:
+    """Can kernels_cpu's int4 product read this layout: half a row in blocks of 32, groups of 2^k >= 32 columns."""
+    group = in_features // n_groups
+    return in_features % 64 == 0 and group * n_groups == in_features and group >= 32 and not group & (group - 1)
+
+
 def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
-    """x @ W.T for int4 weights (dequantize_int4's layout): reductions or F.linear on the dequantized weight."""
-    if _path(x, packed.dtype) != "reductions":
+    """x @ W.T for int4 weights (dequantize_int4's layout): integer dot products, reductions or F.linear on the
+    dequantized weight."""
+    path = _path(x, packed.dtype)
+    if path.startswith("int-dot") and int4_dot_fits(x.shape[-1], scales.shape[1]):
+        return int_ops().int4_linear(x.float(), packed, scales, offsets).to(x.dtype)
+    if path == "f-linear":
         return F.linear(x, dequantize_int4(packed, scales, offsets).to(x.dtype))
     # sum_j x_j (q_j s + o) = sum_j x_j q_j s + o * (x's group sum). The nibbles are split with float
     # arithmetic and each half of the row meets a contiguous half of x: both keep Inductor's reduction

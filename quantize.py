@@ -12,10 +12,11 @@ also GGUF Q4_0/Q4_1's block: weights converted from such a file (the default mod
 grid of 32 columns, so int4 with --group-size 32 loses almost nothing on them (bench.py --section quantize).
 
 Decoding reads every weight once per token, so it is memory-bound: int8 reads a quarter of fp32's bytes and
-int4 about a fifth, though on a CPU unpacking int4 costs more compute than it saves in bytes (int8 decodes
-fastest here; see docs/speed.md). Inside the compiled decode step the dequantization is part of kernels.linear's
-multiply-and-sum (Inductor fuses it into the reduction), so no fp32 copy of a weight is ever materialized;
-prefill and eager decoding dequantize a layer's weight on the fly.
+int4 about a fifth. Inside the compiled decode step a CPU with AVX2 or AVX-512 VNNI multiplies the codes as
+integers (kernels_cpu.cpp, llama.cpp's scheme: each activation row quantized per block of 32 to int8, int32 dot
+products, the block scales applied in fp32), reading quantize.py's layout in place; elsewhere Inductor fuses the
+dequantization into kernels.linear's multiply-and-sum. No fp32 copy of a weight is ever materialized; prefill
+and eager decoding dequantize a layer's weight on the fly (docs/speed.md, "Integer dot products").
 
 The layers that hold quantized weights are model.py's (from_checkpoint loads a quantized checkpoint without
 this module), their kernels kernels.py's.

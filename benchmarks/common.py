@@ -23,7 +23,7 @@ from kv.quant import KV_FLOATS
 from model import KVFastError, Transformer
 from tokenizer import load_tokenizer
 
-WEIGHTS = ("fp32", "bf16", "int8", "int4-g32", "int4-g64")  # quantize.quantized_copy's modes
+WEIGHTS = ("fp32", "bf16", "int8", "int4", "int4-g32", "int4-g64")  # quantize.quantized_copy's modes (int4: g32)
 
 # argparse keywords of the flags several benches take; each bench's Flag gives its own default and help
 SHARED_FLAGS: dict[str, dict[str, Any]] = {

@@ -2,7 +2,8 @@
 
 Per prompt length, on the same random prompt ids in one run: prefill seconds, decode tok/s, the share of the
 bandwidth floor (weights + K/V per step at the host's measured bandwidth) and the greedy tokens equal to kvfast
-fp32's.
+fp32's. Each compiled row names the kernel its one-token projections took (kernels.linear_path); llama.cpp runs
+at each --llamacpp-formats weight format (Q8_0 beside int8, Q4_0 / Q4_1 beside int4).
 """
 
 from __future__ import annotations
@@ -88,10 +89,12 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
                     m, prompt, args.new_tokens, True, kv)
         if "llama.cpp" in args.peers:
             from scripts.peer_llamacpp import time_llamacpp
+            from scripts.peer_llamacpp_formats import requantized
 
             tokens = prompt[0].tolist()
-            runs[f"llama.cpp ({gguf.name.split('.')[-2]}, prebuilt CPU build)"] = partial(
-                time_llamacpp, gguf, tokens, args.new_tokens, threads, 1)  # a process per run, its own warm-up
+            for fmt in args.llamacpp_formats:  # Q8_0: int8's peer; Q4_0 / Q4_1: int4's
+                runs[f"llama.cpp ({fmt}, prebuilt CPU build)"] = partial(
+                    time_llamacpp, requantized(gguf, fmt), tokens, args.new_tokens, threads, 1)  # a process per run
         rows.update(interleaved(runs, args.repeats, bandwidth=True))
         torch._dynamo.reset()
         out["lengths"][prompt_len] = rows
@@ -106,7 +109,8 @@ def bandwidths(rows: dict, key: str) -> str:
 
 def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argparse.Namespace) -> None:
     hf = rows.get(HF)
-    peer = next((r for name, r in rows.items() if name.startswith("llama.cpp")), None)
+    peers = {name: r for name, r in rows.items() if name.startswith("llama.cpp")}
+    peer = next(iter(peers.values()), None)
     ref = next((r.get("tokens") for name, r in rows.items() if name.startswith("kvfast compiled (fp32 ")
                 and "K/V" not in name), None)
     caption = (f"prompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
@@ -116,12 +120,13 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
                f"{bandwidths(rows, 'read_bw_GBs')} GB/s")
     if peer:
         caption += f"\nllama.cpp system_info: {peer['system_info']}"
-    table(caption, ["engine", "prefill (s)", "decode tok/s", "vs HF", "vs llama.cpp",
+    table(caption, ["engine", "prefill (s)", "decode tok/s", "vs HF",
+                    "vs llama.cpp " + " / ".join(n.split(" ")[1].strip("(,") for n in peers) if peers else "vs llama.cpp",
                     "% of bandwidth floor: copy / read (weights + K/V per step at each round's bandwidth, median)",
                     "greedy tokens equal to kvfast fp32"])
     for name, r in rows.items():
         vs_hf = f"{r['tok_s'] / hf['tok_s']:.2f}x" if hf else "-"
-        vs_peer = f"{r['tok_s'] / peer['tok_s']:.2f}x" if peer else "-"
+        vs_peer = " / ".join(f"{r['tok_s'] / p['tok_s']:.2f}x" for p in peers.values()) or "-"
         floor = f"{r['floor_pct']:.0f} % / {r['read_floor_pct']:.0f} %" if "floor_pct" in r else "-"
         same = f"{agreement(r['tokens'], ref)} of {len(ref)}" if ref and "tokens" in r else "-"
         row(name, f"{r['prefill_s']:.2f}", f"{r['tok_s']:.1f}", vs_hf, vs_peer, floor, same)
@@ -138,5 +143,8 @@ BENCH = Bench(__doc__, bench_engine, {
     "peers": Flag([], "other engines timed in the same run on the same prompts (llama.cpp: its prebuilt CPU build "
                       "on the checkpoint's GGUF, installed on first use into .peers/)",
                   {"nargs": "*", "choices": ["llama.cpp"]}),
+    "llamacpp_formats": Flag(["Q8_0", "Q4_0", "Q4_1"], "llama.cpp's weight formats, a row each: the default "
+                             "GGUF (Q4_1) re-quantized once with the gguf package (scripts/peer_llamacpp_formats.py)",
+                             {"nargs": "+", "choices": ["Q8_0", "Q4_0", "Q4_1"]}),
     "skip_hf": Flag(False, "leave out the HF transformers row", {"action": "store_true"}),
 })

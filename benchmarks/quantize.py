@@ -1,17 +1,22 @@
 """bench.py quantize: fp32 vs bf16 vs int8 vs int4 weights: size, compiled decode speed, quality.
 
 Each mode quantizes the float model in memory (what quantize.py writes), then decodes compiled and is
-teacher-forced over --quality-tokens of real text against the float model's distributions.
+teacher-forced over --quality-tokens of real text against the float model's distributions. int8 / int4 get a row
+per kernel of their one-token products (kernels.linear_path): Inductor's reductions in fp32 and, where this CPU
+chooses them, the integer dot products (Q8_0 activations), whose quality is measured with every product of the
+teacher-forced forward taken through them (kernels.integer_products).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import kernels
 import quantize
 from benchmarks.common import Bench, Flag, row, table, text_ids, time_ours
 from benchmarks.kv_bits import QUALITY_TEXT, QUALITY_TOKENS
@@ -32,15 +37,22 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
     rows = {}
     for mode in ["fp32", "bf16", "int8", *(f"int4-g{g}" for g in args.group_sizes)]:
         m = quantize.quantized_copy(model, mode)
-        m.setup_caches(lambda i: None)  # a plain causal forward: no cache to fill
-        with torch.inference_mode():
-            lp = F.log_softmax(m(ids, all_logits=True)[0, :-1], -1)
-        nll = -lp.gather(-1, ids[0, 1:, None]).mean()
-        rows[mode] = {"weight_MB": m.weight_bytes() / 1e6, "ppl": nll.exp().item(),
-                      "kl": (ref.exp() * (ref - lp)).sum(-1).mean().item(),
-                      "top1": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(),
-                      **time_ours(m, prompt, args.new_tokens, True, args.repeats)}
-        torch._dynamo.reset()
+        dtype = {"int8": torch.int8, "int4": torch.uint8}.get(mode.split("-")[0])
+        paths = ["reductions"] + ([kernels.int_path(dtype)] if dtype and kernels.int_path(dtype) != "reductions"
+                                  else [])
+        for path in paths:
+            integer = path != "reductions"
+            m.setup_caches(lambda i: None)  # a plain causal forward: no cache to fill
+            with torch.inference_mode(), kernels.integer_products("everywhere" if integer else "nowhere"):
+                lp = F.log_softmax(m(ids, all_logits=True)[0, :-1], -1)
+            nll = -lp.gather(-1, ids[0, 1:, None]).mean()
+            with contextlib.nullcontext() if integer else kernels.integer_products("nowhere"):
+                speed = time_ours(m, prompt, args.new_tokens, True, args.repeats)
+            rows[f"{mode} ({path})" if dtype else mode] = {
+                "weight_MB": m.weight_bytes() / 1e6, "ppl": nll.exp().item(),
+                "kl": (ref.exp() * (ref - lp)).sum(-1).mean().item(),
+                "top1": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(), **speed}
+            torch._dynamo.reset()
     fp32 = rows["fp32"]["tok_s"]
     table(f"weights quantized in memory (quantize.quantize_model); decode: compiled, prompt {args.prompt_len[0]}, "
           f"{args.new_tokens} new tokens, median of {args.repeats}; quality: {ids.shape[1]} tokens of "

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from cache_testing import single_thread_fixture
 from numerics import assert_numerically_close
 from test_generate import TINY, tiny_model
+from test_int_kernels import int8_reference
 from torch._dynamo.testing import EagerAndRecordGraphs
 from torch._dynamo.utils import counters
 
@@ -35,6 +36,14 @@ def every_kernel(monkeypatch):
     torch._dynamo.reset()
 
 
+def product(layer, x: torch.Tensor, dense: torch.Tensor, path: str) -> torch.Tensor:
+    """What `path` computes for x @ dense.T: the float product, or for the integer dot products the float64 product
+    of their Q8_0 activations and the int8 codes."""
+    if path.startswith("int-dot"):
+        return int8_reference(x, layer.weight, layer.scales, kernels.int_ops()).float()
+    return F.linear(x, dense)
+
+
 def layer_and_dense(mode: str, w: torch.Tensor):
     if mode == "fp32":
         layer = Linear(w.shape[1], w.shape[0])
@@ -56,6 +65,8 @@ def graph_path(graph: torch.fx.GraphModule, dtype: torch.dtype) -> str:
         return kernels.gemm_path(dtype)
     if torch._weight_int8pack_mm in targets:
         return "int8pack-mm"
+    if any("int8_linear" in str(t) or "int4_linear" in str(t) for t in targets):
+        return kernels.int_path(dtype)
     return "f-linear" if F.linear in targets else "reductions"
 
 
@@ -74,11 +85,13 @@ def test_batched_rows_take_the_gemm_and_equal_the_product(mode, every_kernel):
                 expected = F.linear(x.bfloat16().float(), dense)
                 assert_numerically_close(compiled(x), expected, depth=192, storage=torch.bfloat16, roundings=1)
             else:
-                assert_numerically_close(compiled(x), F.linear(x, dense), depth=192)
+                path = kernels.linear_path(DTYPES[mode], x.shape[:-1].numel(), x.shape[1] == 1)
+                assert_numerically_close(compiled(x), product(layer, x, dense, path), depth=192)
             traced(x)
-    # 4 rows and a verification's 6 tokens of one sequence: reductions; 5 and 16 one-token rows: the GEMM
-    gemm = kernels.gemm_path(DTYPES[mode])
-    assert [graph_path(g, DTYPES[mode]) for g in graphs.graphs] == ["reductions", "reductions", gemm, gemm]
+    # 4 rows and a verification's 6 tokens of one sequence: reductions (int8: the integer products where chosen);
+    # 5 and 16 one-token rows: the GEMM
+    gemm, small = kernels.gemm_path(DTYPES[mode]), kernels.linear_path(DTYPES[mode], 1)
+    assert [graph_path(g, DTYPES[mode]) for g in graphs.graphs] == [small, small, gemm, gemm]
     if mode != "int8":  # a weight changed in place (load_state_dict) is packed again, not read stale
         with torch.no_grad():
             layer.weight.mul_(2)
@@ -101,7 +114,8 @@ def test_the_cpu_kind_decides_each_projection_path(mode, cpu_kind):
     first = min(kernels.gemm_rows(dtype), kernels.MAX_REDUCTION_ROWS + 1)  # the first rows past the reductions
     shapes = [(first - 1, 1), (1, 6), (first, 1)]
     expected = [kernels.linear_path(dtype, rows * tokens, tokens == 1) for rows, tokens in shapes]
-    assert expected == ["reductions", "reductions", kernels.gemm_path(dtype) if has_gemm else "f-linear"]
+    small = kernels.int_paths().get(dtype, "reductions")
+    assert expected == [small, small, kernels.gemm_path(dtype) if has_gemm else "f-linear"]
     graphs = EagerAndRecordGraphs()
     traced = torch.compile(layer, fullgraph=True, dynamic=False, backend=graphs)
     with torch.inference_mode():
@@ -112,7 +126,8 @@ def test_the_cpu_kind_decides_each_projection_path(mode, cpu_kind):
                 assert_numerically_close(y, F.linear(x.bfloat16().float(), dense), depth=192, storage=torch.bfloat16,
                                          roundings=1)
             else:
-                assert_numerically_close(y, F.linear(x, dense), depth=192)
+                path = kernels.linear_path(dtype, rows * tokens, tokens == 1)
+                assert_numerically_close(y, product(layer, x, dense, path), depth=192)
     assert [graph_path(g, dtype) for g in graphs.graphs] == expected
 
 
@@ -123,7 +138,8 @@ def test_batched_compiled_decode_packs_once_follows_eager_and_never_recompiles(m
     path = kernels.linear_path(DTYPES[mode], B)
     if path != "reductions" and not kernels.native_runs(cpu_kind):
         pytest.skip(f"{path}: this CPU ({kernels.cpu_report()}) would run it emulated, not as {cpu_kind} does")
-    assert path == ("reductions" if mode != "fp32" and cpu_kind == "avx2" else kernels.gemm_path(DTYPES[mode]))
+    below = kernels.int_paths().get(DTYPES[mode], "reductions")  # no GEMM for bfloat16 / int8 weights on AVX2
+    assert path == (below if mode != "fp32" and cpu_kind == "avx2" else kernels.gemm_path(DTYPES[mode]))
     model = tiny_model() if mode == "fp32" else quantize.quantize_model(tiny_model(), mode, 32)
     prompt = torch.randint(0, TINY.vocab_size, (B, S), generator=torch.Generator().manual_seed(4))
     model.setup_caches(kvcache.make_cache_factory("full", B, TINY, S, N))
@@ -148,7 +164,10 @@ def test_batched_compiled_decode_packs_once_follows_eager_and_never_recompiles(m
     assert len(matrices) == 1 + 4 * TINY.n_layers  # the projections and the (tied) head
     onednn = path.startswith("gemm-onednn")  # each weight packed once (int8: ATen's own layout)
     assert len(kernels._packed) == (len(matrices) if onednn else 0)
-    if path not in BF16_PATHS:  # the same products in another order
+    if path.startswith("int-dot"):  # eager multiplies the exact activations: Q8_0's rounding (2^-8 of a block's
+        err = (logits[0] - eager_logits[0]).abs().max() / eager_logits[0].abs().max()  # largest) moves the logits
+        assert 0 < err < 0.1, err  # by a few bfloat16-like roundings
+    elif path not in BF16_PATHS:  # the same products in another order
         args = model.args  # depth: one layer's reductions (projections, attention over the sequence, FFN), each layer
         depth = args.n_layers * (2 * args.dim + S + N + args.intermediate_size) + args.dim
         assert_numerically_close(logits, eager_logits, depth=depth)

@@ -8,17 +8,20 @@ import torch
 from torch._dynamo.testing import EagerAndRecordGraphs
 
 import kernels
+import kernels_cpu
 from kernels import KVFastError, cpu, force_cpu, gemm_min_rows, linear_path
 from kv.quant import kv_float_dtype
 from model import BF16Linear, Transformer
 
 FP32, BF16, INT8, INT4 = torch.float32, torch.bfloat16, torch.int8, torch.uint8
 
-# per kind: the flags the choices see, the GEMM thresholds, --kv-float auto for a verification
+# per kind: the flags the choices see, the GEMM thresholds, --kv-float auto for a verification, the instruction
+# set of the integer dot products (kernels_cpu) where this CPU runs the kind
 KINDS = {
-    "avx2": (["avx2"], {FP32: 5}, torch.float16),
-    "avx512-bf16": (["avx2", "avx512", "avx512_vnni", "avx512_bf16"], {FP32: 5, BF16: 8, INT8: 8}, torch.bfloat16),
-    "amx": (list(kernels.FLAGS), {FP32: 5, BF16: 8, INT8: 8}, torch.bfloat16),
+    "avx2": (["avx2"], {FP32: 5}, torch.float16, "avx2"),
+    "avx512-bf16": (["avx2", "avx512", "avx512_vnni", "avx512_bf16"], {FP32: 5, BF16: 8, INT8: 8}, torch.bfloat16,
+                    "avx512-vnni"),
+    "amx": (list(kernels.FLAGS), {FP32: 5, BF16: 8, INT8: 8}, torch.bfloat16, "avx512-vnni"),
 }
 
 
@@ -33,7 +36,7 @@ def no_forced_kind(monkeypatch):
 
 
 def test_each_kind_decides_its_paths(cpu_kind):
-    flags, gemm, verify = KINDS[cpu_kind]
+    flags, gemm, verify, isa = KINDS[cpu_kind]
     chip = cpu()
     assert chip.forced == cpu_kind and chip.flags() == flags and chip.bf16_dot == (cpu_kind != "avx2")
     assert (chip.model, chip.aten, chip.onednn) == (kernels.native_cpu().model, kernels.native_cpu().aten,
@@ -42,15 +45,20 @@ def test_each_kind_decides_its_paths(cpu_kind):
     assert gemm_min_rows() == expected_gemm
     assert kv_float_dtype("auto", "cpu", verifies=True) == verify
     assert kv_float_dtype("auto", "cpu") == kv_float_dtype("auto", "cuda", verifies=True) == torch.float16
+    if not kernels.native_runs(cpu_kind):  # the best instruction set this CPU runs below the kind's
+        isa = kernels_cpu.isa_of(chip, kernels.native_cpu())
+    integer = f"int-dot-{isa}" if isa != "scalar" and kernels_cpu.ops(isa) is not None else "reductions"
+    assert kernels.int_paths() == ({INT8: integer, INT4: integer} if integer != "reductions" else {})
     for dtype in (FP32, BF16, INT8, INT4):
         first = expected_gemm.get(dtype)
-        if first is None:  # no GEMM for these weights here: reductions, then ATen's F.linear
-            assert [linear_path(dtype, r) for r in (8, 16, 17)] == ["reductions", "reductions", "f-linear"]
+        small = integer if dtype in kernels.INT_DTYPES else "reductions"  # few rows: each row on its own
+        if first is None:  # no GEMM for these weights here: reductions / integer products, then ATen's F.linear
+            assert [linear_path(dtype, r) for r in (8, 16, 17)] == [small, small, "f-linear"]
         else:
-            assert linear_path(dtype, first - 1) == "reductions"
+            assert linear_path(dtype, first - 1) == small
             assert linear_path(dtype, first) == linear_path(dtype, 64) == kernels.gemm_path(dtype)
-        # a verification's tokens of one sequence keep the reductions; eager and dynamic shapes take F.linear
-        assert linear_path(dtype, 8, one_token=False) == "reductions"
+        # a verification's tokens of one sequence keep the per-row kernels; eager and dynamic shapes take F.linear
+        assert linear_path(dtype, 8, one_token=False) == small
         assert linear_path(dtype, 17, one_token=False) == "f-linear"
         assert linear_path(dtype, 8, compiled=False) == "f-linear"
     assert "\n" not in kernels.cpu_report() and f"kernels chosen as for {cpu_kind}" in kernels.cpu_report()

@@ -14,6 +14,7 @@ import cache as kvcache
 import cli
 import decode
 import generate
+import kernels
 import quantize
 from kernels import MAX_REDUCTION_ROWS, dequantize_int4
 from model import KVFastError, Linear, Transformer
@@ -47,7 +48,13 @@ def test_int4_packing_and_error_bound(group_size):
 @pytest.mark.parametrize("mode", ["fp32", "int8", "int4", "bf16"])
 def test_compiled_reduction_equals_dequantized_product(mode):
     """The decode path (multiply-and-sum with the dequantization fused in, one reduction per row up to
-    MAX_REDUCTION_ROWS rows) against F.linear on the weight; more rows take F.linear inside the graph too."""
+    MAX_REDUCTION_ROWS rows) against F.linear on the weight; more rows take F.linear inside the graph too. int8 /
+    int4: the reductions, which CPUs without the integer dot products take (those: tests/test_int_kernels.py)."""
+    with kernels.integer_products("nowhere"):
+        check_reduction_equals_dequantized_product(mode)
+
+
+def check_reduction_equals_dequantized_product(mode: str) -> None:
     w = torch.randn(80, 192)
     layers = {"fp32": Linear(192, 80), "int8": quantize.Int8Linear(192, 80), "int4": quantize.Int4Linear(192, 80, 64),
               "bf16": quantize.BF16Linear(192, 80)}
@@ -95,6 +102,13 @@ def dequantized_copy(base: Transformer, mode: str, group_size: int) -> Transform
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
 def test_quantized_model_is_its_dequantized_weights_and_decodes_compiled_as_eager(mode):
+    """Compiled through the reductions, as eager's fp32 products (the integer dot products' decode against eager
+    through the same kernel: tests/test_int_kernels.py)."""
+    with kernels.integer_products("nowhere"):
+        check_dequantized_weights_and_compiled_decode(mode)
+
+
+def check_dequantized_weights_and_compiled_decode(mode: str) -> None:
     base, model = tiny_model(), quantize.quantize_model(tiny_model(), mode, 32)
     assert not any(p.dim() > 1 for p in model.parameters())  # every matrix became a quantized buffer
     assert model.weight_bytes() < base.weight_bytes() / {"int8": 3.5, "int4": 4.5, "bf16": 1.9}[mode]

@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from conftest import CORPUS, REPO_ROOT, gguf_writer, hf_model_from_gguf
 from numerics import assert_numerically_close, unit_roundoff
 from safetensors.torch import load_file
+from test_int_kernels import int4_reference, int8_reference
 from test_tokenizer import CODE, SPACES, UNICODE, random_text
 
 import cache as kvcache
 import decode
+import kernels
 import quantize
 import tp
 from kernels import MAX_REDUCTION_ROWS, dequantize_int4
@@ -303,6 +305,12 @@ def test_every_linear_path_adds_the_bias(mode):
             x = torch.randn(shape)
             expected = F.linear(x, dense, bias)
             assert_numerically_close(layer(x), expected, depth=192)
+            dtype = layer.weight.dtype
+            if kernels.linear_path(dtype, x.shape[:-1].numel(), x.shape[1] == 1).startswith("int-dot"):
+                ops = kernels.int_ops()  # the integer dot products' own operands (Q8_0 activations), then the bias
+                ref = (int8_reference(x, layer.weight, layer.scales, ops) if mode == "int8" else
+                       int4_reference(x, layer.weight, layer.scales, layer.offsets, ops))
+                expected = (ref + bias.double()).float()
             assert_numerically_close(compiled(x), expected, depth=192)
 
 

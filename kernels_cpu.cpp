@@ -1,0 +1,362 @@
+// Integer dot-product linear layers for one-token decode steps on CPU (kernels.py builds this file at first use
+// with the flags of the detected CPU kind and registers its ops under the namespace KVFAST_NS).
+//
+// llama.cpp's scheme: each activation row is quantized per block of 32 columns to int8 (Q8_0: one fp32 scale
+// d = max|x| / 127 per block), multiplied with the weight codes in int32 (exact), and each block's integer sum
+// is scaled in fp32. Weight formats are quantize.py's, read in place:
+//   int8: codes int8 [out, in], one fp32 scale per output row;
+//   int4: codes uint8 [out, in / 2] (column j in the low nibble, j + in / 2 in the high one), fp32 scale and
+//         offset per output row and group of `in / n_groups` columns: w = code * scale + offset.
+// y[o] = sum_b d_b * ws * sum_{c in b} code * q_c  (+ sum_g offset[o, g] * sum_{c in g} x_c for int4: the
+// offsets meet the exact activations).
+//
+// Vector paths: AVX-512 VNNI (_mm512_dpbusd_epi32; the int8 codes are made unsigned by flipping their sign
+// bit, code + 128, and 128 * sum q is subtracted per lane), AVX2 (_mm256_maddubs_epi16: int8 codes as |code|
+// against the activations carrying the code's sign, so no pair saturates), and plain C++.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVFAST_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVFAST_AVX2 1
+#endif
+#if defined(KVFAST_AVX512) || defined(KVFAST_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // activation block (Q8_0)
+
+// One activation row quantized for the integer products; lane i (4 columns) carries its block's scale.
+struct QRow {
+  std::vector<int8_t> q;        // [in]
+  std::vector<float> d_lane;    // [in / 4]: the scale of the block of columns 4i..4i+3
+  std::vector<int32_t> bias;    // [in / 4]: -128 * (q[4i] + ... + q[4i+3]) (the int8 codes' +128 shift)
+  std::vector<float> group_sum; // [n_groups]: sum of the exact x over each weight group (int4's offsets)
+};
+
+void quantize_row(const float* x, int64_t in, int64_t group, QRow& r) {
+  r.q.resize(in);
+  r.d_lane.resize(in / 4);
+  r.bias.resize(in / 4);
+  r.group_sum.assign(group > 0 ? in / group : 0, 0.f);
+  for (int64_t b = 0; b < in; b += QK) {
+#if defined(KVFAST_AVX512)
+    const __m512 v0 = _mm512_loadu_ps(x + b), v1 = _mm512_loadu_ps(x + b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const __m512 vid = _mm512_set1_ps(id);
+    // round to nearest even (the default MXCSR mode), as std::nearbyint; |x * id| <= 127, so no saturation
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid))));
+    _mm256_storeu_ps(r.d_lane.data() + b / 4, _mm256_set1_ps(d));
+    const __m256i ones = _mm256_set1_epi8(1);
+    const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones,
+                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q.data() + b)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.bias.data() + b / 4),
+                        _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 7)));
+    if (group > 0) r.group_sum[b / group] += _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+#else
+    float amax = 0.f;
+    for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[b + j]));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    for (int64_t j = 0; j < QK; ++j) r.q[b + j] = static_cast<int8_t>(std::nearbyint(x[b + j] * id));
+    for (int64_t l = b / 4; l < (b + QK) / 4; ++l) {
+      r.d_lane[l] = d;
+      r.bias[l] = -128 * (r.q[4 * l] + r.q[4 * l + 1] + r.q[4 * l + 2] + r.q[4 * l + 3]);
+    }
+    if (group > 0) {
+      float s = 0.f;
+      for (int64_t j = 0; j < QK; ++j) s += x[b + j];
+      r.group_sum[b / group] += s;
+    }
+#endif
+  }
+}
+
+#if defined(KVFAST_AVX512)
+// Rows ahead whose bytes are prefetched (a hint: past the matrix's end it never faults).
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 8
+#endif
+// NR output rows at once: each activation vector is loaded once for all of them, and NR independent
+// accumulation chains keep the loads of NR weight rows in flight.
+template <int NR>
+inline void int8_dots(const int8_t* w, int64_t in, const QRow& r, float* out) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[NR];
+  for (int k = 0; k < NR; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < in; c += 64) {
+    const bool tail = c + 64 > in;  // in is a multiple of 32
+    const __mmask64 m8 = tail ? 0xFFFFFFFFull : ~0ull;
+    const __mmask16 m32 = tail ? 0xFF : 0xFFFF;
+    const __m512i q = _mm512_maskz_loadu_epi8(m8, r.q.data() + c);
+    const __m512i bias = _mm512_maskz_loadu_epi32(m32, r.bias.data() + c / 4);
+    const __m512 d = _mm512_maskz_loadu_ps(m32, r.d_lane.data() + c / 4);
+#pragma GCC unroll 8
+    for (int k = 0; k < NR; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_ROWS) * in + c), _MM_HINT_T0);
+      const __m512i wu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m8, w + k * in + c), flip);
+      acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(bias, wu, q)), d, acc[k]);
+    }
+  }
+  for (int k = 0; k < NR; ++k) out[k] = _mm512_reduce_add_ps(acc[k]);
+}
+
+// 16 lanes of 4 columns from column `col`: lanes 0-7 take the scale of col's group, lanes 8-15 col + 32's
+// (past the row's last column, lanes that the tail's masks drop: its last group again, never the next row's).
+inline __m512 group_lanes(const float* s, int64_t col, int gshift, int64_t in) {
+  const int64_t next = std::min(col + 32, in - 1);
+  return _mm512_mask_mov_ps(_mm512_set1_ps(s[col >> gshift]), 0xFF00, _mm512_set1_ps(s[next >> gshift]));
+}
+
+template <int NR>
+inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in, int gshift,
+                      float* out) {
+  const int64_t half = in / 2, n_groups = in >> gshift;
+  const __m512i nib = _mm512_set1_epi8(15);
+  __m512 acc[NR];
+  for (int k = 0; k < NR; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < half; c += 64) {
+    const bool tail = c + 64 > half;  // half is a multiple of 32
+    const __mmask64 m8 = tail ? 0xFFFFFFFFull : ~0ull;
+    const __mmask16 m32 = tail ? 0xFF : 0xFFFF;
+    const __m512i qlo = _mm512_maskz_loadu_epi8(m8, r.q.data() + c);
+    const __m512i qhi = _mm512_maskz_loadu_epi8(m8, r.q.data() + half + c);
+    const __m512 dlo = _mm512_maskz_loadu_ps(m32, r.d_lane.data() + c / 4);
+    const __m512 dhi = _mm512_maskz_loadu_ps(m32, r.d_lane.data() + (half + c) / 4);
+#pragma GCC unroll 8
+    for (int k = 0; k < NR; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_ROWS) * half + c), _MM_HINT_T0);
+      const __m512i bytes = _mm512_maskz_loadu_epi8(m8, w + k * half + c);
+      const __m512i lo = _mm512_and_si512(bytes, nib);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nib);
+      const __m512i slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qlo);
+      const __m512i shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, qhi);
+      const float* s = ws + k * n_groups;
+      acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(slo), _mm512_mul_ps(dlo, group_lanes(s, c, gshift, in)), acc[k]);
+      acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shi), _mm512_mul_ps(dhi, group_lanes(s, half + c, gshift, in)),
+                               acc[k]);
+    }
+  }
+  for (int k = 0; k < NR; ++k) {
+    __m512 o = _mm512_setzero_ps();
+    for (int64_t g = 0; g < n_groups; g += 16) {
+      const __mmask16 m = n_groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n_groups - g)) - 1);
+      o = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, off + k * n_groups + g),
+                          _mm512_maskz_loadu_ps(m, r.group_sum.data() + g), o);
+    }
+    out[k] = _mm512_reduce_add_ps(acc[k]) + _mm512_reduce_add_ps(o);
+  }
+}
+
+#elif defined(KVFAST_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float int8_dot(const int8_t* w, const QRow& r, int64_t in) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < in; c += 32) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q.data() + c));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(qv, wv));
+    const __m256i s = _mm256_madd_epi16(p, ones);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(r.d_lane[c / 4]), acc);
+  }
+  return hsum8(acc);
+}
+
+inline float int4_dot(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in,
+                      int gshift) {
+  const int64_t half = in / 2;
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < half; c += 32) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+    const __m256i lo = _mm256_and_si256(bytes, nib);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib);
+    const __m256i qlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q.data() + c));
+    const __m256i qhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q.data() + half + c));
+    const __m256i slo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, qlo), ones);
+    const __m256i shi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, qhi), ones);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(slo), _mm256_set1_ps(r.d_lane[c / 4] * ws[c >> gshift]), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shi),
+                          _mm256_set1_ps(r.d_lane[(half + c) / 4] * ws[(half + c) >> gshift]), acc);
+  }
+  float o = 0.f;
+  for (int64_t g = 0; g < (in >> gshift); ++g) o += off[g] * r.group_sum[g];
+  return hsum8(acc) + o;
+}
+
+#else
+inline float int8_dot(const int8_t* w, const QRow& r, int64_t in) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < in; b += QK) {
+    int32_t s = 0;
+    for (int64_t j = b; j < b + QK; ++j) s += static_cast<int32_t>(w[j]) * r.q[j];
+    acc += static_cast<float>(s) * r.d_lane[b / 4];
+  }
+  return acc;
+}
+
+inline float int4_dot(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in,
+                      int gshift) {
+  const int64_t half = in / 2;
+  float acc = 0.f;
+  for (int64_t b = 0; b < half; b += QK) {
+    int32_t lo = 0, hi = 0;
+    for (int64_t j = b; j < b + QK; ++j) {
+      lo += (w[j] & 15) * r.q[j];
+      hi += (w[j] >> 4) * r.q[half + j];
+    }
+    acc += static_cast<float>(lo) * (r.d_lane[b / 4] * ws[b >> gshift]);
+    acc += static_cast<float>(hi) * (r.d_lane[(half + b) / 4] * ws[(half + b) >> gshift]);
+  }
+  for (int64_t g = 0; g < (in >> gshift); ++g) acc += off[g] * r.group_sum[g];
+  return acc;
+}
+#endif
+
+#if !defined(KVFAST_AVX512)
+template <int NR>
+inline void int8_dots(const int8_t* w, int64_t in, const QRow& r, float* out) {
+  for (int k = 0; k < NR; ++k) out[k] = int8_dot(w + k * in, r, in);
+}
+
+template <int NR>
+inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in, int gshift,
+                      float* out) {
+  const int64_t n_groups = in >> gshift;
+  for (int k = 0; k < NR; ++k)
+    out[k] = int4_dot(w + k * (in / 2), ws + k * n_groups, off + k * n_groups, r, in, gshift);
+}
+#endif
+
+// x [..., in] float32 -> quantized rows; the output [..., out] float32.
+std::vector<QRow> quantize_rows(const at::Tensor& x, int64_t group) {
+  const int64_t in = x.size(-1), rows = x.numel() / in;
+  const float* xp = x.data_ptr<float>();
+  std::vector<QRow> q(rows);
+  for (int64_t r = 0; r < rows; ++r) quantize_row(xp + r * in, in, group, q[r]);
+  return q;
+}
+
+at::Tensor output_like(const at::Tensor& x, int64_t out) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  return at::empty(sizes, x.options());
+}
+
+constexpr int64_t GRAIN = 32;  // output rows per task: a call's few microseconds of parallel overhead
+constexpr int NR = 4;         // output rows per inner product (int8_dots / int4_dots)
+
+at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scales_) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && codes_.scalar_type() == at::kChar, "int8_linear: float x, int8 codes");
+  const at::Tensor x = x_.contiguous(), codes = codes_.contiguous(), scales = scales_.to(at::kFloat).contiguous();
+  const int64_t in = x.size(-1), out = codes.size(0), rows = x.numel() / in;
+  TORCH_CHECK(codes.size(1) == in && in % QK == 0, "int8_linear: in must match and be a multiple of 32");
+  const auto q = quantize_rows(x, 0);
+  at::Tensor y = output_like(x, out);
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  at::parallel_for(0, out, GRAIN, [&](int64_t begin, int64_t end) {
+    float dots[NR];
+    for (int64_t o = begin; o < end; o += NR) {
+      const int n = static_cast<int>(std::min<int64_t>(NR, end - o));
+      for (int64_t r = 0; r < rows; ++r) {
+        if (n == NR) {
+          int8_dots<NR>(wp + o * in, in, q[r], dots);
+        } else {
+          for (int k = 0; k < n; ++k) int8_dots<1>(wp + (o + k) * in, in, q[r], dots + k);
+        }
+        for (int k = 0; k < n; ++k) yp[r * out + o + k] = dots[k] * sp[o + k];
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& packed_, const at::Tensor& scales_,
+                       const at::Tensor& offsets_) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && packed_.scalar_type() == at::kByte, "int4_linear: float x, uint8 codes");
+  const at::Tensor x = x_.contiguous(), packed = packed_.contiguous();
+  const at::Tensor scales = scales_.to(at::kFloat).contiguous(), offsets = offsets_.to(at::kFloat).contiguous();
+  const int64_t in = x.size(-1), out = packed.size(0), rows = x.numel() / in, n_groups = scales.size(1);
+  const int64_t group = in / n_groups;
+  const int gshift = __builtin_ctzll(static_cast<unsigned long long>(group));
+  TORCH_CHECK(packed.size(1) * 2 == in && (in / 2) % QK == 0 && group % QK == 0 && n_groups * group == in &&
+                  (int64_t{1} << gshift) == group,
+              "int4_linear: in / 2 must be a multiple of 32, the group size a power of two from 32");
+  const auto q = quantize_rows(x, group);
+  at::Tensor y = output_like(x, out);
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  at::parallel_for(0, out, GRAIN, [&](int64_t begin, int64_t end) {
+    float dots[NR];
+    for (int64_t o = begin; o < end; o += NR) {
+      const int n = static_cast<int>(std::min<int64_t>(NR, end - o));
+      for (int64_t r = 0; r < rows; ++r) {
+        if (n == NR) {
+          int4_dots<NR>(wp + o * (in / 2), sp + o * n_groups, op + o * n_groups, q[r], in, gshift, dots);
+        } else {
+          for (int k = 0; k < n; ++k)
+            int4_dots<1>(wp + (o + k) * (in / 2), sp + (o + k) * n_groups, op + (o + k) * n_groups, q[r], in, gshift,
+                         dots + k);
+        }
+        for (int k = 0; k < n; ++k) yp[r * out + o + k] = dots[k];
+      }
+    }
+  });
+  return y;
+}
+
+// The activations exactly as the products see them: q [..., in] int8 and the block scales [..., in / 32]
+// (tests compare against a float64 product of these).
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_) {
+  const at::Tensor x = x_.contiguous();
+  const int64_t in = x.size(-1), rows = x.numel() / in;
+  const auto q = quantize_rows(x, 0);
+  auto qs = x.sizes().vec();
+  at::Tensor codes = at::empty(qs, x.options().dtype(at::kChar));
+  qs.back() = in / QK;
+  at::Tensor d = at::empty(qs, x.options());
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy(q[r].q.begin(), q[r].q.end(), codes.data_ptr<int8_t>() + r * in);
+    for (int64_t b = 0; b < in / QK; ++b) d.data_ptr<float>()[r * (in / QK) + b] = q[r].d_lane[b * QK / 4];
+  }
+  return {codes, d};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(KVFAST_NS, m) {
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(KVFAST_NS, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("quantize_activations", &quantize_activations);
+}

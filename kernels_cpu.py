@@ -1,0 +1,84 @@
+"""The integer dot-product linear kernels of kernels_cpu.cpp: built at first use for one instruction set, loaded,
+and registered as torch ops (with Meta shapes) that a compiled decode step calls as extern kernels.
+
+The instruction set is the best one the chosen CPU kind has (kernels.cpu(), so KVFAST_CPU=avx2 builds the AVX2
+variant) that this CPU also runs. Each variant is its own op namespace (kvfast_avx512_vnni, kvfast_avx2,
+kvfast_scalar), and its build directory under ~/.cache/kvfast/cpp is named by the compile flags, the source's hash
+and torch's version: a build is never loaded for another CPU kind or another torch. Without a working compiler the
+kernels are unavailable (one warning) and kernels.py keeps its Inductor reductions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+ISA_FLAGS = {
+    "avx512-vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512vnni"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+ISAS = tuple(ISA_FLAGS)
+
+
+def isa_of(chip: Any, native: Any) -> str:
+    """The instruction set of the kernels for CPU kind `chip` (kernels.CPU), within what `native` runs."""
+    if chip.avx512_vnni and native.avx512_vnni:
+        return "avx512-vnni"
+    return "avx2" if chip.avx2 and native.avx2 else "scalar"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvfast"
+
+
+def build_name(isa: str) -> tuple[str, list[str]]:
+    """(namespace_key, compile flags): the name of the variant's build, keyed by flags, source and torch."""
+    ns = "kvfast_" + isa.replace("-", "_")
+    flags = ["-O3", "-fopenmp", f"-DKVFAST_NS={ns}", *ISA_FLAGS[isa]]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode())
+    return f"{ns}_{digest.hexdigest()[:16]}", flags
+
+
+_loaded: dict[str, Any] = {}  # isa -> its op namespace (torch.ops.kvfast_<isa>), or None: the build failed
+_meta: list[torch.library.Library] = []
+
+
+def ops(isa: str) -> Any:
+    """torch.ops.kvfast_<isa> with int8_linear, int4_linear and quantize_activations, built on first use; None
+    (after one warning) where it cannot be built."""
+    if isa not in _loaded:
+        _loaded[isa] = _build(isa)
+    return _loaded[isa]
+
+
+def _build(isa: str) -> Any:
+    from torch.utils import cpp_extension
+
+    name, flags = build_name(isa)
+    ns = name.rsplit("_", 1)[0]
+    folder = cache_root() / "cpp" / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a read-only cache: all mean the same here
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        reason = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()
+        warnings.warn(f"kvfast: the integer CPU kernels ({isa}) could not be built, so int8 / int4 weights use "
+                      f"the slower fused reductions ({reason[:200]})", stacklevel=3)
+        return None
+    meta = torch.library.Library(ns, "IMPL")
+    meta.impl("int8_linear", lambda x, codes, scales: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
+    meta.impl("int4_linear", lambda x, packed, scales, offsets: x.new_empty(*x.shape[:-1], packed.shape[0]), "Meta")
+    meta.impl("quantize_activations", lambda x: (x.new_empty(x.shape, dtype=torch.int8),
+                                                 x.new_empty(*x.shape[:-1], x.shape[-1] // 32)), "Meta")
+    _meta.append(meta)
+    return getattr(torch.ops, ns)

@@ -1,0 +1,193 @@
+"""The integer dot-product kernels (kernels_cpu.cpp, Q8_0 activations times int8 / int4 codes): each instruction set
+against a float64 product of the same quantized operands, the activation quantization's error within its analytic
+bound, the choice under every CPU kind, and a compiled decode step through them: no recompiles, and eager's
+tokens.
+
+int32 accumulation is exact, so a kernel differs from the float64 product of its own operands only by fp32
+rounding: each block's scale product and the fp32 sums over blocks (numerics.tolerance, depth = the terms).
+Against the float product of the unquantized activations, each activation moves by at most half its block's
+step (d / 2, d = max |x| / 127), so |y - x W^T| <= sum_c d(c) / 2 |W[o, c]| per output (plus that rounding)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cache_testing import single_thread_fixture
+from numerics import assert_numerically_close, tolerance
+from test_generate import TINY, tiny_model
+from torch._dynamo.utils import counters
+
+import cache as kvcache
+import decode
+import kernels
+import kernels_cpu
+import quantize
+from kernels import dequantize_int4
+
+_one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
+QK = 32
+
+
+def built(isa: str):
+    if isa != "scalar" and not getattr(kernels.native_cpu(), "avx512_vnni" if isa == "avx512-vnni" else "avx2"):
+        pytest.skip(f"this CPU does not run {isa}")
+    ops = kernels_cpu.ops(isa)
+    if ops is None:
+        pytest.skip(f"the {isa} kernels could not be built here")
+    return ops
+
+
+def dequantized_activations(x: torch.Tensor, ops) -> torch.Tensor:
+    """The activations as the integer products see them (Q8_0 codes times their block's scale), in float64."""
+    q, d = ops.quantize_activations(x)
+    return (q.double().view(*q.shape[:-1], -1, QK) * d.double()[..., None]).flatten(-2)
+
+
+def int8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ops) -> torch.Tensor:
+    return (dequantized_activations(x, ops) @ codes.double().T) * scales.double()
+
+
+def int4_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                   ops) -> torch.Tensor:
+    """The codes meet the quantized activations, the offsets each group's exact activation sum."""
+    out, n_groups = scales.shape
+    codes = torch.cat([packed & 15, packed >> 4], 1).double().view(out, n_groups, -1)
+    w = (codes * scales.double()[..., None]).view(out, -1)
+    group_sums = x.double().view(*x.shape[:-1], n_groups, -1).sum(-1)
+    return dequantized_activations(x, ops) @ w.T + group_sums @ offsets.double().T
+
+
+def quantization_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_c d(c) / 2 |W[o, c]|: the largest move of each output from rounding the activations to Q8_0."""
+    step = x.abs().view(*x.shape[:-1], -1, QK).amax(-1, keepdim=True).expand(*x.shape[:-1], -1, QK) / 127
+    return (step.flatten(-2).double() / 2) @ w.abs().double().T
+
+
+@pytest.mark.parametrize("isa", kernels_cpu.ISAS)
+@pytest.mark.parametrize("shape", [(1, 576, 96, 32), (3, 1536, 40, 32), (2, 192, 33, 64), (1, 128, 7, 128)])
+def test_each_kernel_equals_the_float64_product_of_its_operands(isa, shape):
+    ops = built(isa)
+    rows, n_in, n_out, group = shape
+    g = torch.Generator().manual_seed(n_in + n_out)
+    w, x = torch.randn(n_out, n_in, generator=g), torch.randn(rows, 1, n_in, generator=g)
+    x[..., :QK] = 0  # an all-zero block: scale 0, not a division by zero
+    codes, scales = quantize.quantize_int8(w)
+    packed, s4, offsets = quantize.quantize_int4(w, group)
+    for y, ref, dense in ((ops.int8_linear(x, codes, scales), int8_reference(x, codes, scales, ops),
+                           codes.double() * scales.double()[:, None]),
+                          (ops.int4_linear(x, packed, s4, offsets), int4_reference(x, packed, s4, offsets, ops),
+                           dequantize_int4(packed, s4, offsets).double())):
+        assert y.shape == (rows, 1, n_out) and y.dtype == torch.float32
+        assert_numerically_close(y, ref.float(), depth=n_in + n_in // group)
+        exact = x.double() @ dense.T
+        slack = tolerance(float(exact.abs().max()), depth=n_in)["atol"]
+        assert ((y.double() - exact).abs() <= quantization_bound(x, dense) + slack).all()
+
+
+@pytest.mark.parametrize("isa", kernels_cpu.ISAS)
+def test_activation_codes_round_to_nearest_within_127(isa):
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)) * 10
+    q, d = built(isa).quantize_activations(x)
+    assert torch.equal(d, x.abs().view(2, -1, QK).amax(-1) / 127) and q.abs().max() == 127
+    assert torch.equal(q, torch.round(x * (1 / d).repeat_interleave(QK, -1)).to(torch.int8))
+
+
+def test_every_kind_chooses_integer_products_it_can_run(cpu_kind):
+    chip = kernels.cpu()
+    isa = kernels_cpu.isa_of(chip, kernels.native_cpu())
+    assert isa == ({"avx2": "avx2"}.get(cpu_kind, "avx512-vnni") if kernels.native_runs(cpu_kind) else isa)
+    paths = kernels.int_paths()
+    if kernels_cpu.ops(isa) is not None and isa != "scalar":
+        assert paths == {torch.int8: f"int-dot-{isa}", torch.uint8: f"int-dot-{isa}"}
+        assert kernels.linear_path(torch.uint8, 1) == f"int-dot-{isa}"
+    assert kernels.linear_path(torch.float32, 1) == "reductions"
+
+
+def test_a_failed_build_warns_once_and_keeps_the_reductions(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels_cpu, "SOURCE", tmp_path / "broken.cpp")
+    (tmp_path / "broken.cpp").write_text("this is not C++\n")
+    monkeypatch.setattr(kernels_cpu, "_loaded", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.warns(UserWarning, match="could not be built"):
+        assert kernels_cpu.ops("scalar") is None
+    assert kernels_cpu.ops("scalar") is None  # no second build, no second warning
+    monkeypatch.setattr(kernels, "_INT_PATHS", None)
+    with kernels.force_cpu(None):
+        monkeypatch.setattr(kernels_cpu, "_loaded", {isa: None for isa in kernels_cpu.ISAS})
+        assert kernels.int_paths() == {} and kernels.linear_path(torch.int8, 1) == "reductions"
+
+
+def test_build_names_differ_by_instruction_set_and_source():
+    names = {kernels_cpu.build_name(isa)[0] for isa in kernels_cpu.ISAS}
+    assert len(names) == len(kernels_cpu.ISAS)
+    assert all(name.startswith("kvfast_") for name in names)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_compiled_decode_through_integer_products(mode, monkeypatch):
+    """One row, 16 steps: the step calls the kernel (no recompiles after warm-up) and equals an eager decode whose
+    one-token projections call the same kernel: the same logits up to the order of the step's other fp32 sums,
+    the same tokens."""
+    if not kernels.linear_path(torch.int8, 1).startswith("int-dot"):
+        pytest.skip("no integer kernels on this CPU")
+    S, N = 12, 16
+    model = quantize.quantize_model(tiny_model(), mode, 32)
+    prompt = torch.randint(0, TINY.vocab_size, (1, S), generator=torch.Generator().manual_seed(4))
+    model.setup_caches(kvcache.make_cache_factory("full", 1, TINY, S, N))
+
+    def run(decoder):
+        logits = []
+        for c in model.caches:
+            c.reset()
+        with torch.inference_mode():
+            first = decoder.prefill(model, prompt, 0.0, None)
+            rest = decoder.decode(first, S, N - 1, on_logits=lambda i, lg: logits.append(lg[:, -1].float()))
+        return torch.cat([first, rest], 1), torch.stack(logits)
+
+    with monkeypatch.context() as m:  # eager one-token products through the kernel too (prefill: F.linear)
+        path = kernels._path
+        m.setattr(kernels, "_path", lambda x, dtype: kernels.int_path(dtype) if x.shape[:-1].numel() == 1
+                  and dtype in kernels.INT_DTYPES else path(x, dtype))
+        eager_tokens, eager_logits = run(decode.Decoder(model))
+    decoder = decode.Decoder(model, compile=True)
+    decoder.warm_up(prompt)
+    recompiles = sum(counters["recompiles"].values())
+    tokens, logits = run(decoder)
+    assert sum(counters["recompiles"].values()) == recompiles
+    args = model.args  # depth: one layer's reductions (projections, attention over the sequence, FFN), each layer
+    assert_numerically_close(logits, eager_logits, depth=args.n_layers * (2 * args.dim + S + N + args.intermediate_size))
+    assert torch.equal(tokens, eager_tokens)
+
+
+def test_a_layer_in_eager_and_compiled_calls_the_same_kernel():
+    """The compiled graph's extern call and a direct call of the op agree bit for bit; F.linear past 16 rows."""
+    if not kernels.linear_path(torch.uint8, 1).startswith("int-dot"):
+        pytest.skip("no integer kernels on this CPU")
+    layer = quantize.Int4Linear(192, 40, 32)
+    layer.weight, layer.scales, layer.offsets = quantize.quantize_int4(torch.randn(40, 192), 32)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        x = torch.randn(3, 1, 192)
+        direct = kernels.int_ops().int4_linear(x, layer.weight, layer.scales, layer.offsets)
+        assert torch.equal(compiled(x), direct)
+        x = torch.randn(1, 20, 192)
+        dense = dequantize_int4(layer.weight, layer.scales, layer.offsets)
+        assert_numerically_close(compiled(x), F.linear(x, dense), depth=192)
+
+
+def test_integer_products_everywhere_and_nowhere():
+    """bench.py quantize's switch: eager products of any rows through the kernel, or none through it."""
+    if not kernels.linear_path(torch.int8, 1).startswith("int-dot"):
+        pytest.skip("no integer kernels on this CPU")
+    layer = quantize.Int8Linear(192, 40)
+    layer.weight, layer.scales = quantize.quantize_int8(torch.randn(40, 192))
+    x = torch.randn(1, 30, 192)
+    with torch.inference_mode():
+        with kernels.integer_products("everywhere"):
+            assert torch.equal(layer(x), kernels.int_ops().int8_linear(x, layer.weight, layer.scales))
+        with kernels.integer_products("nowhere"):
+            assert kernels.linear_path(torch.int8, 1) == "reductions"
+        assert kernels.linear_path(torch.int8, 1).startswith("int-dot")
+        dense = layer.weight.float() * layer.scales[:, None]
+        assert_numerically_close(layer(x), F.linear(x, dense), depth=192)  # eager, 30 rows: F.linear
+    with pytest.raises(kernels.KVFastError, match="everywhere"):
+        kernels.integer_products("sometimes")
