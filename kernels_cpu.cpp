@@ -267,6 +267,19 @@ at::Tensor output_like(const at::Tensor& x, int64_t out) {
 constexpr int64_t GRAIN = 32;  // output rows per task: a call's few microseconds of parallel overhead
 constexpr int NR = 4;         // output rows per inner product (int8_dots / int4_dots)
 
+// The output rows in tiles of NR, split between threads; tile(o, n, r, dots) fills dots[0..n) with output rows
+// o..o+n of activation row r (n < NR only at a thread's last tile).
+template <typename Tile>
+void for_output_tiles(int64_t out, int64_t rows, const Tile& tile) {
+  at::parallel_for(0, out, GRAIN, [&](int64_t begin, int64_t end) {
+    float dots[NR];
+    for (int64_t o = begin; o < end; o += NR) {
+      const int n = static_cast<int>(std::min<int64_t>(NR, end - o));
+      for (int64_t r = 0; r < rows; ++r) tile(o, n, r, dots);
+    }
+  });
+}
+
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scales_) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat && codes_.scalar_type() == at::kChar, "int8_linear: float x, int8 codes");
   const at::Tensor x = x_.contiguous(), codes = codes_.contiguous(), scales = scales_.to(at::kFloat).contiguous();
@@ -277,19 +290,13 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes_, const at:
   float* yp = y.data_ptr<float>();
   const int8_t* wp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  at::parallel_for(0, out, GRAIN, [&](int64_t begin, int64_t end) {
-    float dots[NR];
-    for (int64_t o = begin; o < end; o += NR) {
-      const int n = static_cast<int>(std::min<int64_t>(NR, end - o));
-      for (int64_t r = 0; r < rows; ++r) {
-        if (n == NR) {
-          int8_dots<NR>(wp + o * in, in, q[r], dots);
-        } else {
-          for (int k = 0; k < n; ++k) int8_dots<1>(wp + (o + k) * in, in, q[r], dots + k);
-        }
-        for (int k = 0; k < n; ++k) yp[r * out + o + k] = dots[k] * sp[o + k];
-      }
+  for_output_tiles(out, rows, [&](int64_t o, int n, int64_t r, float* dots) {
+    if (n == NR) {
+      int8_dots<NR>(wp + o * in, in, q[r], dots);
+    } else {
+      for (int k = 0; k < n; ++k) int8_dots<1>(wp + (o + k) * in, in, q[r], dots + k);
     }
+    for (int k = 0; k < n; ++k) yp[r * out + o + k] = dots[k] * sp[o + k];
   });
   return y;
 }
@@ -311,21 +318,15 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& packed_, const at
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.data_ptr<float>();
-  at::parallel_for(0, out, GRAIN, [&](int64_t begin, int64_t end) {
-    float dots[NR];
-    for (int64_t o = begin; o < end; o += NR) {
-      const int n = static_cast<int>(std::min<int64_t>(NR, end - o));
-      for (int64_t r = 0; r < rows; ++r) {
-        if (n == NR) {
-          int4_dots<NR>(wp + o * (in / 2), sp + o * n_groups, op + o * n_groups, q[r], in, gshift, dots);
-        } else {
-          for (int k = 0; k < n; ++k)
-            int4_dots<1>(wp + (o + k) * (in / 2), sp + (o + k) * n_groups, op + (o + k) * n_groups, q[r], in, gshift,
-                         dots + k);
-        }
-        for (int k = 0; k < n; ++k) yp[r * out + o + k] = dots[k];
-      }
+  for_output_tiles(out, rows, [&](int64_t o, int n, int64_t r, float* dots) {
+    if (n == NR) {
+      int4_dots<NR>(wp + o * (in / 2), sp + o * n_groups, op + o * n_groups, q[r], in, gshift, dots);
+    } else {
+      for (int k = 0; k < n; ++k)
+        int4_dots<1>(wp + (o + k) * (in / 2), sp + (o + k) * n_groups, op + (o + k) * n_groups, q[r], in, gshift,
+                     dots + k);
     }
+    for (int k = 0; k < n; ++k) yp[r * out + o + k] = dots[k];
   });
   return y;
 }

@@ -180,3 +180,16 @@ def kept_counts_over_prompts(policy: str, **params) -> set[tuple[int, ...]]:
         kept |= {tuple(c.kept().flatten().tolist()) for c in model.caches}
     assert counters["stats"]["unique_graphs"] == graphs, "recompiled"
     return kept
+
+
+def greedy_with_logits(model: Transformer, decoder: Decoder, prompt: Tensor, n_new: int) -> tuple[Tensor, Tensor]:
+    """Greedy tokens [B, n_new] from fresh caches (the prefill's, then the decode steps') and the steps' last-position
+    logits in fp32, stacked [n_new - 1, B, V]."""
+    logits = []
+    for c in model.caches:
+        c.reset()
+    with torch.inference_mode():
+        first = decoder.prefill(model, prompt, 0.0, None)
+        rest = decoder.decode(first, prompt.shape[1], n_new - 1,
+                              on_logits=lambda i, lg: logits.append(lg[:, -1].float()))
+    return torch.cat([first, rest], 1), torch.stack(logits)

@@ -6,7 +6,7 @@ and follows eager. The choices are asserted under each forced CPU kind (conftest
 import pytest
 import torch
 import torch.nn.functional as F
-from cache_testing import single_thread_fixture
+from cache_testing import greedy_with_logits, single_thread_fixture
 from numerics import assert_numerically_close
 from test_generate import TINY, tiny_model
 from test_int_kernels import int8_reference
@@ -145,13 +145,7 @@ def test_batched_compiled_decode_packs_once_follows_eager_and_never_recompiles(m
     model.setup_caches(kvcache.make_cache_factory("full", B, TINY, S, N))
 
     def run(decoder):
-        logits = []
-        for c in model.caches:
-            c.reset()
-        with torch.inference_mode():
-            first = decoder.prefill(model, prompt, 0.0, None)
-            rest = decoder.decode(first, S, N - 1, on_logits=lambda i, lg: logits.append(lg[:, -1].float()))
-        return torch.cat([first, rest], 1), torch.stack(logits)
+        return greedy_with_logits(model, decoder, prompt, N)
 
     eager_tokens, eager_logits = run(decode.Decoder(model))
     kernels._packed.clear()

@@ -11,7 +11,7 @@ step (d / 2, d = max |x| / 127), so |y - x W^T| <= sum_c d(c) / 2 |W[o, c]| per 
 import pytest
 import torch
 import torch.nn.functional as F
-from cache_testing import single_thread_fixture
+from cache_testing import greedy_with_logits, single_thread_fixture
 from numerics import assert_numerically_close, tolerance
 from test_generate import TINY, tiny_model
 from torch._dynamo.utils import counters
@@ -135,13 +135,7 @@ def test_compiled_decode_through_integer_products(mode, monkeypatch):
     model.setup_caches(kvcache.make_cache_factory("full", 1, TINY, S, N))
 
     def run(decoder):
-        logits = []
-        for c in model.caches:
-            c.reset()
-        with torch.inference_mode():
-            first = decoder.prefill(model, prompt, 0.0, None)
-            rest = decoder.decode(first, S, N - 1, on_logits=lambda i, lg: logits.append(lg[:, -1].float()))
-        return torch.cat([first, rest], 1), torch.stack(logits)
+        return greedy_with_logits(model, decoder, prompt, N)
 
     with monkeypatch.context() as m:  # eager one-token products through the kernel too (prefill: F.linear)
         path = kernels._path
