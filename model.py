@@ -157,15 +157,11 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, input_pos: Tensor | None,
                 recall: bool = False) -> Tensor:
-        """The one attention call site; the cache is read only through kv.contract.AttentionCache. cos None: the
-        cache applies RoPE at its own positions (pos_shift: ranks among the cached tokens)."""
+        """The one attention call site of a decode step (a prompt goes through TransformerBlock.prefill); the cache
+        is read only through kv.contract.AttentionCache. cos None: the cache applies RoPE at its own positions
+        (pos_shift: ranks among the cached tokens)."""
         q, k, v = self.project(x, cos, sin)
         cache = self.kv_cache
-        if input_pos is None:  # prefill: causal attention on the fresh K/V, then the cache keeps what it can
-            out, _ = attend(q, k, v, None, want_probs=False)
-            if cache is not None:
-                cache.prefill(q, k, v)
-            return self.output(out)
         if recall:  # tiers: bring back the evicted pages this query needs (kv.tiers), then attend as always
             cache.recall(q)
         k_all, v_all, mask = cache.update(input_pos, k, v)

@@ -6,10 +6,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from cache import POLICIES, PROMPT_COMPRESSORS, CacheFactory, make_cache_factory
 from decode import Decoder, prefill
+from kernels import prompt_attention
 from kv.pool import PoolCache
 from model import ModelArgs, Transformer
 
@@ -193,3 +194,9 @@ def greedy_with_logits(model: Transformer, decoder: Decoder, prompt: Tensor, n_n
         rest = decoder.decode(first, prompt.shape[1], n_new - 1,
                               on_logits=lambda i, lg: logits.append(lg[:, -1].float()))
     return torch.cat([first, rest], 1), torch.stack(logits)
+
+
+def prompt_attention_of(attention: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """One Attention module over a prompt x [B, S, dim] at positions 0..S-1, no cache: what
+    TransformerBlock.prefill computes for it in one block."""
+    return attention.output(prompt_attention(*attention.project(x, cos, sin)))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cache_testing import prompt_attention_of
 from conftest import CORPUS, REPO_ROOT, gguf_writer, hf_model_from_gguf
 from numerics import assert_numerically_close, unit_roundoff
 from safetensors.torch import load_file
@@ -338,14 +339,14 @@ def test_tensor_parallel_shards_take_their_bias_rows(tmp_path, bpe):
     x = torch.randn(1, 5, whole.args.dim, generator=torch.Generator().manual_seed(0))
     cos, sin = whole.rope_cos[:5], whole.rope_sin[:5]
     with torch.no_grad():
-        expected = whole.layers[0].attention(x, cos, sin, None)
+        expected = prompt_attention_of(whole.layers[0].attention, x, cos, sin)
         got = 0
         for rank in range(2):
             part = tp.shard(Transformer.from_checkpoint(ckpt), rank=rank, world=2)
             attention = part.layers[0].attention
             assert attention.wqkv.bias.shape == attention.wqkv.weight.shape[:1]
             attention.wo._forward_hooks.clear()  # no process group here: add the shares by hand
-            got = got + attention(x, cos, sin, None)
+            got = got + prompt_attention_of(attention, x, cos, sin)
     a = whole.args  # two partial sums of the output projection added: its reduction in another order
     assert_numerically_close(got, expected, depth=a.dim + a.n_heads * a.head_dim + x.shape[1])
     with pytest.raises(KVFastError, match="with a bias"):

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 import tp_worker
-from cache_testing import one_thread, tiny_model
+from cache_testing import one_thread, prompt_attention_of, tiny_model
 from numerics import assert_numerically_close, model_depth
 
 import tp
@@ -83,7 +83,7 @@ def test_shards_sum_to_the_whole_layer():
     x = torch.randn(1, 5, whole.args.dim)
     cos, sin = whole.rope_cos[:5], whole.rope_sin[:5]
     layer = whole.layers[0]
-    expected_attn, expected_ffn = layer.attention(x, cos, sin, None), layer.feed_forward(x)
+    expected_attn, expected_ffn = prompt_attention_of(layer.attention, x, cos, sin), layer.feed_forward(x)
     got_attn, got_ffn = 0, 0
     for rank in range(2):
         part = tiny_model(n_heads=6, n_kv_heads=3)
@@ -91,7 +91,7 @@ def test_shards_sum_to_the_whole_layer():
         block = part.layers[0]
         for lin in (block.attention.wo, block.feed_forward.w2):
             lin._forward_hooks.clear()  # no process group here: add the shares by hand
-        got_attn = got_attn + block.attention(x, cos, sin, None)
+        got_attn = got_attn + prompt_attention_of(block.attention, x, cos, sin)
         got_ffn = got_ffn + block.feed_forward(x)
     # two partial sums added: the output projections' reductions in another order
     a = whole.args
