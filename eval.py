@@ -53,7 +53,7 @@ import torch  # after OMP_WAIT_POLICY, which is read when torch loads OpenMP
 import cache as kvcache
 import evals.ray
 from cli import DEFAULT_CHECKPOINT, ArgumentParser, load, resolve_checkpoint, run_cli
-from decode import configure_torch
+from decode import DEFAULT_PREFILL_CHUNK, configure_torch
 from evals import report, tasks
 from evals.caches import (
     SHIFT,
@@ -136,6 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the task generators")
     p.add_argument("--out", type=Path, default=None, help="output folder (default results/<checkpoint name>)")
     p.add_argument("--overwrite", action="store_true", help="recompute the requested cells even if finished")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="prompt rows per prefill block, layer by layer (0: one block); memory then grows with the "
+                        "block, not the prompt")
+    p.add_argument("--prefill-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="precision of the prefill's products (default: the compute dtype); bfloat16 runs them on "
+                        "AMX / AVX512-BF16; q, k, v and the caches stay in the compute dtype")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (once per cache shape)")
     p.add_argument("--compile-scope", choices=["step", "block"], default=None,
                    help="with --compile: one block reused for every layer (the default on CPU) or the whole step "
@@ -171,6 +177,8 @@ def check_args(args: argparse.Namespace) -> None:
         if t not in TASK_NAMES:
             raise KVFastError(f"unknown task {t!r} (choose from {', '.join(TASK_NAMES)})")
     args.tasks = expand_tasks(args.tasks)
+    if args.prefill_chunk < 0:
+        raise KVFastError(f"--prefill-chunk must be >= 0 (0: one block), got {args.prefill_chunk}")
     tiered = False
     if args.pos_shift:
         args.policies = [p if p == "full" or p.endswith(SHIFT) else p + SHIFT for p in args.policies]

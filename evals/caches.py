@@ -410,7 +410,8 @@ class Evaluator:
 
     def record(self, ids: Tensor) -> tuple[list[tuple[Tensor, Tensor, Tensor]], Tensor]:
         """The one real prefill of a batch: per-layer (q, k, v) and the final hidden states [B, S, dim]."""
-        return kvzip.record_prefill(self.model, ids)
+        dtype = getattr(torch, self.args.prefill_dtype) if getattr(self.args, "prefill_dtype", None) else None
+        return kvzip.record_prefill(self.model, ids, getattr(self.args, "prefill_chunk", None) or None, dtype)
 
     def fill(self, caches: list[nn.Module], kv: list[tuple[Tensor, Tensor, Tensor]], n: int, memos: list[dict],
              ids: Tensor) -> None:
