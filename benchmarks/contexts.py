@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 import cache as kvcache
+import quantize
 from benchmarks.common import Bench, Flag, row, table, tokenizer_of
 from decode import Decoder, synchronize, truncate_at_stop
 from evals import tasks
@@ -104,17 +105,20 @@ def bench_contexts(model: Transformer, checkpoint: Path, args: argparse.Namespac
           f"{args.repeats}): reuse = one prefill + compression, then a restore per question; fresh = a prefill + "
           f"compression per question; budget {args.budget:g}, {args.new_tokens} answer tokens, "
           f"{'eager' if args.eager else 'compiled'} decode",
-          ["policy", "K/V", "slots", "prefill + compression", "restore + question + answer (mean)", "reuse",
+          ["weights", "policy", "K/V", "slots", "prefill + compression", "restore + question + answer (mean)", "reuse",
            f"{args.questions} fresh runs", "fresh / reuse", "same answers", "score"])
     results = {}
-    for policy in args.policies:
-        for bits in args.kv_bits or [None]:
-            r = run_policy(model, tok, prompt, policy, bits, args)
-            results[policy + (f"+kv{bits}" if bits else "")] = r
-            per = sum(r["per_question_s"]) / len(r["per_question_s"])
-            row(policy, f"{bits}-bit" if bits else "fp", r["capacity"], f"{r['compress_s']:.2f}", f"{per:.2f}", f"{r['reuse_s']:.2f}", f"{r['fresh_s']:.2f}",
-            f"{r['fresh_s'] / r['reuse_s']:.1f}x", "yes" if r["same_answers"] else "NO",
-            f"{sum(r['scores']) / len(r['scores']):.2f}")
+    for weights in args.weights:
+        m = quantize.quantized_copy(model, weights)
+        for policy in args.policies:
+            for bits in args.kv_bits or [None]:
+                r = run_policy(m, tok, prompt, policy, bits, args)
+                results[f"{weights}/{policy}" + (f"+kv{bits}" if bits else "")] = r
+                per = sum(r["per_question_s"]) / len(r["per_question_s"])
+                row(weights, policy, f"{bits}-bit" if bits else "fp", r["capacity"], f"{r['compress_s']:.2f}", f"{per:.2f}",
+                    f"{r['reuse_s']:.2f}", f"{r['fresh_s']:.2f}",
+                    f"{r['fresh_s'] / r['reuse_s']:.1f}x", "yes" if r["same_answers"] else "NO",
+                    f"{sum(r['scores']) / len(r['scores']):.2f}")
     return results
 
 
@@ -130,6 +134,7 @@ def check(args: argparse.Namespace) -> None:
 
 BENCH = Bench(__doc__, bench_contexts, {
     "policies": Flag(["snapkv", "kvzip"], "cache policies, a row each (full: no compression)"),
+    "weights": Flag(["fp32"], "weight formats, rows each (quantize.py's modes)"),
     "budget": Flag(0.25, "cache budget: a fraction of context + question + answer, or slots per layer if > 1"),
     "kv_bits": Flag([], "K/V storage, a row each: 16-bit floats or 8 / 4-bit codes (none: the compute dtype)"),
     "context_len": Flag(4096, "context + one question, in tokens", {"type": int, "metavar": "N"}),

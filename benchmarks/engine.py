@@ -25,18 +25,19 @@ HF = "HF transformers generate (fp32, eager)"
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 
 
-def load_hf_gguf(gguf: Path) -> torch.nn.Module:
-    from transformers import AutoConfig, LlamaForCausalLM
+def load_hf_gguf(gguf: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' model for the GGUF's architecture (llama, qwen2), dequantized by its own GGUF reader."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    with torch.device("meta"):  # skips the random init; every weight is assigned below
+        model = AutoModelForCausalLM.from_config(cfg)
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
     model.load_state_dict(tensors, strict=False, assign=True)
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
-    return model.float().eval()
+    return model.to(dtype).eval()
 
 
 def time_hf(gguf: Path, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import cache as kvcache
+import quantize
 from benchmarks.common import Bench, Flag, row, table, text_ids
 from decode import DEFAULT_PREFILL_CHUNK, Decoder
 from kv.quant import kv_format
@@ -68,12 +69,28 @@ def run_cache(model: Transformer, ids: list[int], label: str, policy: str, budge
     return out
 
 
+def gguf_of(args: argparse.Namespace) -> Path:
+    folder = args.checkpoint if args.checkpoint.is_dir() else args.checkpoint.parent
+    return args.gguf or GGUF_DIR / f"{folder.name}.gguf"
+
+
 def run_llamacpp(ids: list[int], args: argparse.Namespace) -> dict:
     from scripts.peer_llamacpp import time_llamacpp
 
-    gguf = args.gguf or GGUF_DIR / f"{args.checkpoint.name}.gguf"
-    t = time_llamacpp(gguf, ids, args.new_tokens, torch.get_num_threads(), 1)
+    t = time_llamacpp(gguf_of(args), ids, args.new_tokens, torch.get_num_threads(), 1)
     return {"cache": "llama.cpp, full (f16 K/V)", "prefill_s": t["prefill_s"], "tok_s": t["tok_s"]}
+
+
+def run_transformers(ids: list[int], args: argparse.Namespace) -> dict:
+    """transformers' prefill of the same ids in bfloat16 (its SDPA attention), the last position's logits only."""
+    from benchmarks.engine import load_hf_gguf
+
+    hf = load_hf_gguf(gguf_of(args), torch.bfloat16)
+    with torch.inference_mode():
+        hf(torch.tensor([ids[:256]]), logits_to_keep=1)  # warm-up
+        t0 = time.perf_counter()
+        hf(torch.tensor([ids]), logits_to_keep=1)
+        return {"cache": "transformers, bfloat16 prefill", "prefill_s": time.perf_counter() - t0}
 
 
 def bench_longctx(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
@@ -84,27 +101,35 @@ def bench_longctx(model: Transformer, checkpoint: Path, args: argparse.Namespace
     table(f"long context: {args.policy} budgets vs the full cache, prefill in blocks of {chunk} rows "
           f"({args.prefill_dtype or 'fp32'} products), {args.new_tokens} greedy tokens compiled (block scope); "
           "peak = resident-set high-water mark over the row's prefill + decode",
-          ["tokens", "cache", "slots / layer", "K/V (MiB)", "prefill (s)", "decode tok/s", "vs full",
+          ["tokens", "weights", "cache", "slots / layer", "K/V (MiB)", "prefill (s)", "decode tok/s", "vs full",
            "vs llama.cpp", "peak RSS (GiB)"])
     results: dict[int, list[dict]] = {}
+    models = {w: quantize.quantized_copy(model, w) for w in args.weights}
     for n in args.lengths:
         ids, rows = text[:n], []
         peer = run_llamacpp(ids, args) if n in args.peer_lengths else None
-        for budget in args.budgets:
-            for bits in args.kv_bits:
-                name = kv_format(bits, args.kv_float)[1]
-                policy, label = ("full", f"full ({name})") if budget >= 1 else \
-                    (args.policy, f"{args.policy} {100 * budget:g} % ({name})")
-                rows.append(run_cache(model, ids, label, policy, None if budget >= 1 else budget, bits, args))
-        full = next((r["tok_s"] for r in rows if r["cache"].startswith("full")), None)
+        hf = run_transformers(ids, args) if n in args.hf_lengths else None
+        for weights, m in models.items():
+            for budget in args.budgets:
+                for bits in args.kv_bits:
+                    name = kv_format(bits, args.kv_float)[1]
+                    policy, label = ("full", f"full ({name})") if budget >= 1 else \
+                        (args.policy, f"{args.policy} {100 * budget:g} % ({name})")
+                    r = run_cache(m, ids, label, policy, None if budget >= 1 else budget, bits, args)
+                    rows.append({"weights": weights, "kv_bits": bits, **r})
+        full = {(r["weights"], r["kv_bits"]): r["tok_s"] for r in rows if r["cache"].startswith("full")}
         for r in rows:
-            row(n, r["cache"], r["slots"], f"{r['kv_mib']:.0f}", f"{r['prefill_s']:.1f}", f"{r['tok_s']:.1f}",
-                f"{r['tok_s'] / full:.2f}x" if full else "-", f"{r['tok_s'] / peer['tok_s']:.2f}x" if peer else "-",
+            f = full.get((r["weights"], r["kv_bits"]))
+            row(n, r["weights"], r["cache"], r["slots"], f"{r['kv_mib']:.0f}", f"{r['prefill_s']:.1f}", f"{r['tok_s']:.1f}",
+                f"{r['tok_s'] / f:.2f}x" if f else "-", f"{r['tok_s'] / peer['tok_s']:.2f}x" if peer else "-",
                 f"{r['peak_gib']:.2f}")
         if peer:
-            row(n, peer["cache"], n + args.new_tokens, "-", f"{peer['prefill_s']:.1f}", f"{peer['tok_s']:.1f}",
-                f"{peer['tok_s'] / full:.2f}x" if full else "-", "1.00x", "-")
+            row(n, "GGUF as is", peer["cache"], n + args.new_tokens, "-", f"{peer['prefill_s']:.1f}",
+                f"{peer['tok_s']:.1f}", "-", "1.00x", "-")
             rows.append(peer)
+        if hf:
+            row(n, "GGUF, bfloat16", hf["cache"], "-", "-", f"{hf['prefill_s']:.1f}", "-", "-", "-", "-")
+            rows.append(hf)
         results[n] = rows
     return results
 
@@ -114,12 +139,13 @@ def check(args: argparse.Namespace) -> None:
         raise KVFastError(f"--policy must be a compressing policy, got {args.policy!r}")
     if any(b <= 0 for b in args.budgets):
         raise KVFastError("--budgets must be > 0 (1: the full cache)")
-    if not set(args.peer_lengths) <= set(args.lengths):
-        raise KVFastError("--peer-lengths must be among --lengths")
+    if not set(args.peer_lengths) <= set(args.lengths) or not set(args.hf_lengths) <= set(args.lengths):
+        raise KVFastError("--peer-lengths and --hf-lengths must be among --lengths")
 
 
 BENCH = Bench(__doc__, bench_longctx, {
     "lengths": Flag([4096, 16384, 32768], "context lengths in tokens, rows each"),
+    "weights": Flag(["int8"], "weight formats, rows each (quantize.py's modes)"),
     "budgets": Flag([1.0, 0.25, 0.125], "cache budgets, a fraction of context + new tokens (1: the full cache)",
                     {"type": float, "nargs": "+", "metavar": "B"}),
     "kv_bits": Flag([16, 8], "K/V formats, a row each (16: --kv-float)"),
@@ -131,6 +157,8 @@ BENCH = Bench(__doc__, bench_longctx, {
                           {"choices": ["float32", "bfloat16"]}),
     "peer_lengths": Flag([], "lengths at which llama.cpp also runs (its 16k prefill takes minutes)",
                          {"type": int, "nargs": "*", "metavar": "N"}),
+    "hf_lengths": Flag([], "lengths at which transformers' bfloat16 prefill of the same prompt is also timed",
+                       {"type": int, "nargs": "*", "metavar": "N"}),
     "gguf": Flag(None, "llama.cpp's GGUF (default: checkpoints/.downloads/<checkpoint name>.gguf)",
                  {"type": Path}),
     "text": Flag("jargon", "the text whose first tokens are the prompts (evals.tasks.load_text)",
