@@ -9,6 +9,7 @@ import hashlib
 import json
 import random
 import unicodedata
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,8 @@ from conftest import CORPUS, REPO_ROOT, gguf_writer, hf_model_from_gguf
 from numerics import assert_numerically_close, unit_roundoff
 from safetensors.torch import load_file
 from test_int_kernels import int4_reference, int8_reference
-from test_tokenizer import CODE, SPACES, UNICODE, random_text
+from test_tokenizer import CODE, UNICODE, random_text
+from varied_text import text_groups
 
 import cache as kvcache
 import decode
@@ -238,28 +240,39 @@ def test_qwen2_gguf_converts_and_matches_transformers(tmp_path, bpe):
 
 
 # ---- tokenizer -----------------------------------------------------------------------------------------------------
-def varied_strings(n: int) -> list[str]:
-    rng = random.Random(11)
-    numbers = ["0", "42", "2024", "3.14159", "1,000,000", "0x1F", "½", "²", "٣٤", "１２", "99999999999"]
-    out = list(TEXTS)
-    for _ in range(n):
-        text = random_text(rng)
-        for _ in range(rng.randint(0, 4)):  # digit runs and whitespace runs at random places
-            i = rng.randint(0, len(text))
-            text = text[:i] + rng.choice(["", " ", "   ", "\n\n", "\t "] + SPACES) + rng.choice(numbers) + text[i:]
-        out.append(text)
-    return out
+MIN_STRINGS = 5000
 
 
-def assert_tokenizer_parity(tok, hf_tok, n: int = 1500, nfc_only: bool = False) -> None:
-    texts = varied_strings(n)
+def varied_strings(specials: list[str]) -> dict[str, list[str]]:
+    """The strings the tokenizer parity tests compare, by group (code, unicode, digits, whitespace, specials,
+    mixed, and the fixed TEXTS)."""
+    groups = {"fixed": list(TEXTS), **text_groups(specials)}
+    assert sum(map(len, groups.values())) >= MIN_STRINGS
+    return groups
+
+
+def assert_tokenizer_parity(tok, hf_tok, nfc_only: bool = False) -> None:
+    """The same special tokens, each one id on both sides; equal ids and equal decoding on every varied string
+    (>= MIN_STRINGS of them, after the NFC filter too), and decoding gives back the text NFC leaves alone.
+    A failure names how many strings of each group differ, and the first few with both id lists."""
+    specials = {t.content: i for i, t in hf_tok.added_tokens_decoder.items()}
+    assert tok.special_tokens == specials
+    for name, i in specials.items():
+        assert tok.encode(name) == hf_tok.encode(name, add_special_tokens=False) == [i], name
+    groups = varied_strings(list(specials))
     if nfc_only:
-        texts = [t for t in texts if unicodedata.normalize("NFC", t) == t]
-        assert len(texts) > n // 2
-    for text in texts:
-        ids = hf_tok.encode(text, add_special_tokens=False)
-        assert tok.encode(text) == ids, repr(text)
-        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=False), repr(text)
+        groups = {g: [t for t in texts if unicodedata.normalize("NFC", t) == t] for g, texts in groups.items()}
+        assert sum(map(len, groups.values())) >= MIN_STRINGS
+    failed = {}
+    for group, texts in groups.items():
+        for text in texts:
+            ids, theirs = tok.encode(text), hf_tok.encode(text, add_special_tokens=False)
+            decoded = tok.decode(theirs)
+            if ids != theirs or decoded != hf_tok.decode(theirs, skip_special_tokens=False) or (
+                    unicodedata.normalize("NFC", text) == text and decoded != text):
+                failed.setdefault(group, []).append((text, ids, theirs))
+    shown = [f"{g}: {t!r}\n  ours   {a}\n  theirs {b}" for g, cases in failed.items() for t, a, b in cases[:3]]
+    assert not failed, f"{ {g: len(c) for g, c in failed.items()} } differ:\n" + "\n".join(shown)
 
 
 def test_qwen2_tokenizer_matches_transformers(tmp_path, bpe):
@@ -440,16 +453,32 @@ PROMPTS = ["What is the capital of France?", "Write a Python function that check
            "Explain in two sentences what a hash map is."]
 
 
-@pytest.fixture(scope="module")
-def qwen_05b():
+def qwen_05b_gguf() -> Path:
+    """The packaged GGUF the checkpoint was converted from; skips the test where it was not prepared."""
     if not prepare.is_complete(QWEN_05B):
         pytest.skip(f"{QWEN_05B} is absent (make qwen-0.5b prepares it)")
     try:
-        gguf = prepare.packaged_gguf("qwen2.5-0.5b", REPO_ROOT, install=False)
+        return prepare.packaged_gguf("qwen2.5-0.5b", REPO_ROOT, install=False)
     except prepare.PartError as e:
         pytest.skip(f"the Qwen2.5-Coder-0.5B GGUF cannot be assembled: {e}")
-    hf, hf_tok = hf_from_gguf(gguf)
+
+
+@pytest.fixture(scope="module")
+def qwen_05b():
+    hf, hf_tok = hf_from_gguf(qwen_05b_gguf())
     return Transformer.from_checkpoint(QWEN_05B), load_tokenizer(QWEN_05B), hf, hf_tok
+
+
+@pytest.mark.real_model
+def test_qwen_05b_tokenizer_matches_transformers():
+    from transformers import AutoTokenizer
+
+    gguf = qwen_05b_gguf()
+    tok = load_tokenizer(QWEN_05B)
+    hf_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert len(tok.special_tokens) == 22 and tok._normalizer == "NFC"
+    # transformers' GGUF reading leaves out Qwen's NFC (docs/models.md): equal on text NFC leaves alone
+    assert_tokenizer_parity(tok, hf_tok, nfc_only=True)
 
 
 @pytest.mark.real_model
