@@ -408,16 +408,20 @@ class Evaluator:
     def install(self, caches: list[nn.Module]) -> None:
         self.model.setup_caches(lambda i: caches[i])
 
+    def prefill_dtype(self) -> torch.dtype | None:
+        name = getattr(self.args, "prefill_dtype", None)
+        return getattr(torch, name) if name else None
+
     def record(self, ids: Tensor) -> tuple[list[tuple[Tensor, Tensor, Tensor]], Tensor]:
         """The one real prefill of a batch: per-layer (q, k, v) and the final hidden states [B, S, dim]."""
-        dtype = getattr(torch, self.args.prefill_dtype) if getattr(self.args, "prefill_dtype", None) else None
-        return kvzip.record_prefill(self.model, ids, getattr(self.args, "prefill_chunk", None) or None, dtype)
+        chunk = getattr(self.args, "prefill_chunk", None) or None
+        return kvzip.record_prefill(self.model, ids, chunk, self.prefill_dtype())
 
     def fill(self, caches: list[nn.Module], kv: list[tuple[Tensor, Tensor, Tensor]], n: int, memos: list[dict],
              ids: Tensor) -> None:
         """Prefill the first n recorded tokens (ids [B, >= n]) into caches; KVzip's reconstruction scores, if a
         cache needs them, are computed once into the memos."""
-        self.kvzip_s = kvzip.score_into(self.model, ids[:, :n], kv, caches, memos)
+        self.kvzip_s = kvzip.score_into(self.model, ids[:, :n], kv, caches, memos, self.prefill_dtype())
         for c, (q, k, v), memo in zip(caches, kv, memos):
             c.reset()
             c.see_tokens(ids[:, :n])  # fastgen classes the prompt's tokens (kv.fastgen)

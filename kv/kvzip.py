@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import reduce
 from typing import Any, ClassVar
 
 import torch
@@ -81,9 +82,9 @@ class KVzipPrompt(PromptCompressor):
                     check=whole(1)),
               Param("kvzip_plus", False, "KVzip+ normalization (attention / ||hidden|| x ||W_o v||, as "
                     "kvpress)", check=boolean),
-              Param("kvzip_dtype", "float32", "precision of the reconstruction pass's products: float32, "
-                    "bfloat16, or auto (bf16 on a GPU or a CPU with AMX, else the model's)",
-                    check=choice("float32", "bfloat16", "auto")))
+              Param("kvzip_dtype", "prefill", "precision of the reconstruction pass's products: prefill (the "
+                    "prefill's, --prefill-dtype), float32, bfloat16, or auto (bf16 on a GPU or a CPU with AMX, "
+                    "else the model's)", check=choice("prefill", "float32", "bfloat16", "auto")))
     needs_model_pass: ClassVar[bool] = True
     repeat_prompt: RepeatPrompt | None = None  # set by bind(); without a tokenizer chunks repeat bare
 
@@ -93,10 +94,13 @@ class KVzipPrompt(PromptCompressor):
     def memo_key(self) -> tuple:
         return ("kvzip", self.kvzip_chunk, self.kvzip_plus, self.kvzip_dtype)
 
-    def compute_dtype(self, device: torch.device) -> torch.dtype | None:
-        """The reconstruction's precision: kvzip_dtype, where auto = bf16 on a GPU or a CPU with AMX tiles (there
-        a bf16 product runs several times faster than fp32; the scores only rank tokens), else the model's. The
-        CPU is the kernels' (kernels.cpu(): KVFAST_CPU / force_cpu choose as on another kind)."""
+    def compute_dtype(self, device: torch.device, prefill_dtype: torch.dtype | None = None) -> torch.dtype | None:
+        """The reconstruction's precision: kvzip_dtype, where prefill = the prefill's products' (prefill_dtype;
+        None: the model's), auto = bf16 on a GPU or a CPU with AMX tiles (there a bf16 product runs several times
+        faster than fp32; the scores only rank tokens), else the model's. The CPU is the kernels' (kernels.cpu():
+        KVFAST_CPU / force_cpu choose as on another kind)."""
+        if self.kvzip_dtype == "prefill":
+            return prefill_dtype
         if self.kvzip_dtype == "auto":
             fast = device.type == "cuda" or (device.type == "cpu" and cpu().amx_bf16)
             return torch.bfloat16 if fast else None
@@ -168,26 +172,34 @@ def reconstruction_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k: Tensor,
     n_kv, S = k_ctx.shape[1], k_ctx.shape[2]
     g, s, c = H // n_kv, min(n_sinks, start), stop - start
     qg = q.reshape(B, n_kv, g * n, D)
-    keys = torch.cat([k_ctx[:, :, :s], k_ctx[:, :, start:stop], k], dim=2)
-    values = torch.cat([v_ctx[:, :, :s], v_ctx[:, :, start:stop], v], dim=2)
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    visible = torch.cat([torch.ones(n, s + c, dtype=torch.bool, device=q.device), causal], dim=1)
-    bias = torch.zeros(visible.shape, device=q.device).masked_fill(~visible, -math.inf).repeat(g, 1)
-    out, lse = attention_lse(qg, keys, values, bias)
+    # the softmax KVzip normalises by covers [sinks, span] (all visible to the chunk) and the chunk's own keys
+    # (causally): two fused passes merged by their log-sum-exps, then the rest of the context likewise. No mask:
+    # a [g n, s + c + n] bias per layer cost more than the attention itself
+    span_out, span_lse = attention_lse(qg, torch.cat([k_ctx[:, :, :s], k_ctx[:, :, start:stop]], dim=2),
+                                       torch.cat([v_ctx[:, :, :s], v_ctx[:, :, start:stop]], dim=2))
+    own_out, own_lse = attention_lse(q, k, v, causal=True)  # GQA native: head h reads KV head h // g, as qg
+    parts = [(span_out, span_lse), (own_out.reshape(B, n_kv, g * n, D), own_lse.reshape(B, n_kv, g * n))]
+    lse = torch.logaddexp(span_lse, parts[1][1])
+    total = lse
     rest = [(k_ctx[:, :, a:b], v_ctx[:, :, a:b]) for a, b in ((s, start), (stop, S)) if b > a]
     if rest:
         rest_out, rest_lse = attention_lse(qg, torch.cat([r[0] for r in rest], 2),
                                            torch.cat([r[1] for r in rest], 2), None)
+        parts.append((rest_out, rest_lse))
         total = torch.logaddexp(lse, rest_lse)
-        out = out * (lse - total).exp().unsqueeze(-1) + rest_out * (rest_lse - total).exp().unsqueeze(-1)
+    out = reduce(torch.add, [o.float() * (w - total).exp().unsqueeze(-1) for o, w in parts])
     # max over rows of exp(q.k / sqrt(D) - lse + log row_scale): the offset rides as an extra channel of the
-    # queries against a channel of ones in the keys, so one product per block of rows gives the exponent
+    # queries against a channel of ones in the keys, so one product per block of rows gives the exponent; zero
+    # channels pad it to a multiple of 32, which the bfloat16 tiles multiply several times faster than D + 1
     offset = -lse
     if row_scale is not None:
         offset = offset + row_scale.float().log().repeat(1, g)[:, None, :]
-    q_aug = torch.cat([qg * (1.0 / math.sqrt(D)), offset.unsqueeze(-1).to(qg.dtype)], dim=-1)
+    pad = -(D + 1) % 32
+    q_aug = torch.cat([qg * (1.0 / math.sqrt(D)), offset.unsqueeze(-1).to(qg.dtype),
+                       qg.new_zeros(B, n_kv, g * n, pad)], dim=-1)
     span = k_ctx[:, :, start:stop].to(qg.dtype)
-    span_aug = torch.cat([span, span.new_ones(B, n_kv, c, 1)], dim=-1).transpose(-1, -2)
+    span_aug = torch.cat([span, span.new_ones(B, n_kv, c, 1), span.new_zeros(B, n_kv, c, pad)],
+                         dim=-1).transpose(-1, -2)
     best = q.new_full((B, n_kv, g, c), -math.inf, dtype=torch.float32)
     rows = max(1, PREFILL_BLOCK_ELEMENTS // (B * n_kv * c))
     for member in range(g):  # KVzip+ scales keys per query head, so each group member keeps its own max
@@ -226,7 +238,8 @@ def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tenso
         x = model.tok_embeddings(ids).float()
         for i, (layer, (_, k_ctx, v_ctx)) in enumerate(zip(model.layers, kv)):
             h = layer.attention_norm(x).to(dtype or k_ctx.dtype)  # kernels.linear casts the weights to h's dtype
-            q, k, v = layer.attention.project(h, cos, sin)
+            # RoPE's fp32 tables would promote q and k to fp32: the products run in dtype (AMX's bfloat16)
+            q, k, v = (t.to(h.dtype) for t in layer.attention.project(h, cos, sin))
             k_ctx, v_ctx = k_ctx.to(h.dtype), v_ctx.to(h.dtype)
             row_scale = key_scale = None
             if plus:
@@ -252,9 +265,10 @@ def kvzip_caches(caches: list[nn.Module]) -> list[nn.Module]:
 
 
 def score_into(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tensor, Tensor]], caches: list[nn.Module],
-               memos: list[dict]) -> float:
+               memos: list[dict], prefill_dtype: torch.dtype | None = None) -> float:
     """Put KVzip's scores into each layer's memo if any layer's KVzip cache will compress a prompt of
-    idx.shape[1] tokens (and they are not there yet). Returns the seconds spent (0 if nothing to do)."""
+    idx.shape[1] tokens (and they are not there yet); prefill_dtype: the prefill's products' (KVzipPrompt's
+    compute_dtype). Returns the seconds spent (0 if nothing to do)."""
     S = idx.shape[1]
     users = [m for m in kvzip_caches(caches) if m.prompt_capacity < S]
     if not users:
@@ -265,7 +279,7 @@ def score_into(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tensor, T
             continue
         layer_scores = context_scores(model, idx, [(q[:, :, :S], k[:, :, :S], v[:, :, :S]) for q, k, v in kv],
                                       comp.repeat_prompt, comp.kvzip_chunk, comp.kvzip_plus,
-                                      dtype=comp.compute_dtype(idx.device))
+                                      dtype=comp.compute_dtype(idx.device, prefill_dtype))
         for memo, s in zip(memos, layer_scores):
             memo[comp.memo_key()] = s
     return time.perf_counter() - t0
@@ -283,7 +297,7 @@ def prefill(model: Transformer, idx: Tensor, chunk: int | None = None, dtype: to
     kv, hidden = record_prefill(model, idx, chunk, dtype)
     caches = model.caches
     memos = [{} for _ in caches]
-    model.kvzip_scoring_s = score_into(model, idx, kv, caches, memos)
+    model.kvzip_scoring_s = score_into(model, idx, kv, caches, memos, dtype)
     for cache, (q, k, v), memo in zip(caches, kv, memos):
         cache.prefill(q, k, v, memo=memo)
     return model.logits(hidden[:, -1:])

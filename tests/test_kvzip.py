@@ -113,7 +113,10 @@ def test_auto_dtype_follows_the_cpu():
         assert comp.compute_dtype(torch.device("cpu")) == torch.bfloat16
     with force_cpu("avx512-bf16"):  # bfloat16 dot products, but no AMX tiles
         assert comp.compute_dtype(torch.device("cpu")) is None  # the model's own dtype
-    assert kvzip.KVzipPrompt().compute_dtype(torch.device("cpu")) == torch.float32
+    default = kvzip.KVzipPrompt()  # the prefill's products' precision (--prefill-dtype), else the model's
+    assert default.compute_dtype(torch.device("cpu")) is None
+    assert default.compute_dtype(torch.device("cpu"), torch.bfloat16) == torch.bfloat16
+    assert kvzip.KVzipPrompt(kvzip_dtype="float32").compute_dtype(torch.device("cpu"), torch.bfloat16) == torch.float32
 
 
 def test_chunk_inputs_follow_kvpress():
@@ -218,7 +221,7 @@ def test_cli_kvzip(tiny_checkpoint, capsys):
     for argv, message in [(["--kvzip-chunk", "0"], "--kvzip-chunk must be a whole number >= 1"),
                           (["--prompt-compression", "kvzipp"], "unknown prompt compressor 'kvzipp'"),
                           (["--compile-prefill"], "--compile-prefill cannot compile kvzip"),
-                          (["--kvzip-dtype", "fp8"], "--kvzip-dtype must be one of float32, bfloat16, auto"),
+                          (["--kvzip-dtype", "fp8"], "--kvzip-dtype must be one of prefill, float32, bfloat16, auto"),
                           (["--cache", "h2o", "--kvzip-chunk", "64"], "--kvzip-chunk is not used by --cache h2o")]:
         assert generate.cli([*base, "--prompt", long_prompt, "--cache-budget", "24", *argv]) == 2, argv
         err = capsys.readouterr().err.strip()
