@@ -21,7 +21,7 @@ import torch
 import cache as kvcache
 import quantize
 from benchmarks.common import Bench, Flag, row, table, text_ids
-from decode import DEFAULT_PREFILL_CHUNK, Decoder
+from decode import DEFAULT_PREFILL_CHUNK, Decoder, release_free_memory
 from kv.quant import kv_format
 from model import KVFastError, Transformer
 
@@ -54,6 +54,7 @@ def run_cache(model: Transformer, ids: list[int], label: str, policy: str, budge
     decoder.warm_up(idx)
     counters = torch._dynamo.utils.counters
     graphs = counters["stats"]["unique_graphs"]
+    release_free_memory()  # the free pages earlier rows and peers left in the heap are no part of this row
     reset_rss_peak()
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -97,12 +98,17 @@ def bench_longctx(model: Transformer, checkpoint: Path, args: argparse.Namespace
     text = text_ids(checkpoint, args.text)
     if len(text) < max(args.lengths):
         raise KVFastError(f"--text has {len(text)} tokens, fewer than the longest length {max(args.lengths)}")
+    longest = max(args.lengths) + args.new_tokens
+    if longest > model.args.max_seq_len:
+        raise KVFastError(f"the longest length + --new-tokens ({longest}) exceed the model's maximum length of "
+                          f"{model.args.max_seq_len} tokens")
     chunk = args.prefill_chunk or "one block"
-    table(f"long context: {args.policy} budgets vs the full cache, prefill in blocks of {chunk} rows "
+    table(f"long context: {', '.join(args.policy)} budgets vs the full cache, prefill in blocks of {chunk} rows "
           f"({args.prefill_dtype or 'fp32'} products), {args.new_tokens} greedy tokens compiled (block scope); "
-          "peak = resident-set high-water mark over the row's prefill + decode",
+          "peak = resident-set high-water mark over the row's prefill + decode; graphs = compiled graphs added after "
+          "the warm-up (0: no recompiles)",
           ["tokens", "weights", "cache", "slots / layer", "K/V (MiB)", "prefill (s)", "decode tok/s", "vs full",
-           "vs llama.cpp", "peak RSS (GiB)"])
+           "vs llama.cpp", "peak RSS (GiB)", "graphs"])
     results: dict[int, list[dict]] = {}
     models = {w: quantize.quantized_copy(model, w) for w in args.weights}
     for n in args.lengths:
@@ -110,11 +116,12 @@ def bench_longctx(model: Transformer, checkpoint: Path, args: argparse.Namespace
         peer = run_llamacpp(ids, args) if n in args.peer_lengths else None
         hf = run_transformers(ids, args) if n in args.hf_lengths else None
         for weights, m in models.items():
-            for budget in args.budgets:
+            caches = [(b, "full") for b in args.budgets if b >= 1] + \
+                [(b, p) for p in args.policy for b in args.budgets if b < 1]
+            for budget, policy in caches:
                 for bits in args.kv_bits:
                     name = kv_format(bits, args.kv_float)[1]
-                    policy, label = ("full", f"full ({name})") if budget >= 1 else \
-                        (args.policy, f"{args.policy} {100 * budget:g} % ({name})")
+                    label = f"full ({name})" if policy == "full" else f"{policy} {100 * budget:g} % ({name})"
                     r = run_cache(m, ids, label, policy, None if budget >= 1 else budget, bits, args)
                     rows.append({"weights": weights, "kv_bits": bits, **r})
         full = {(r["weights"], r["kv_bits"]): r["tok_s"] for r in rows if r["cache"].startswith("full")}
@@ -122,21 +129,22 @@ def bench_longctx(model: Transformer, checkpoint: Path, args: argparse.Namespace
             f = full.get((r["weights"], r["kv_bits"]))
             row(n, r["weights"], r["cache"], r["slots"], f"{r['kv_mib']:.0f}", f"{r['prefill_s']:.1f}", f"{r['tok_s']:.1f}",
                 f"{r['tok_s'] / f:.2f}x" if f else "-", f"{r['tok_s'] / peer['tok_s']:.2f}x" if peer else "-",
-                f"{r['peak_gib']:.2f}")
+                f"{r['peak_gib']:.2f}", r["new_graphs"])
         if peer:
             row(n, "GGUF as is", peer["cache"], n + args.new_tokens, "-", f"{peer['prefill_s']:.1f}",
-                f"{peer['tok_s']:.1f}", "-", "1.00x", "-")
+                f"{peer['tok_s']:.1f}", "-", "1.00x", "-", "-")
             rows.append(peer)
         if hf:
-            row(n, "GGUF, bfloat16", hf["cache"], "-", "-", f"{hf['prefill_s']:.1f}", "-", "-", "-", "-")
+            row(n, "GGUF, bfloat16", hf["cache"], "-", "-", f"{hf['prefill_s']:.1f}", "-", "-", "-", "-", "-")
             rows.append(hf)
         results[n] = rows
     return results
 
 
 def check(args: argparse.Namespace) -> None:
-    if args.policy not in kvcache.POLICIES or args.policy == "full":
-        raise KVFastError(f"--policy must be a compressing policy, got {args.policy!r}")
+    for p in args.policy:
+        if p not in kvcache.POLICIES or p == "full":
+            raise KVFastError(f"--policy must name compressing policies, got {p!r}")
     if any(b <= 0 for b in args.budgets):
         raise KVFastError("--budgets must be > 0 (1: the full cache)")
     if not set(args.peer_lengths) <= set(args.lengths) or not set(args.hf_lengths) <= set(args.lengths):
@@ -150,7 +158,7 @@ BENCH = Bench(__doc__, bench_longctx, {
                     {"type": float, "nargs": "+", "metavar": "B"}),
     "kv_bits": Flag([16, 8], "K/V formats, a row each (16: --kv-float)"),
     "kv_float": Flag("float16", "16-bit K/V's float"),
-    "policy": Flag("snapkv", "the compressing policy of the budgets", {"metavar": "POLICY"}),
+    "policy": Flag(["snapkv"], "the compressing policies of the budgets, rows each", {"nargs": "+", "metavar": "POLICY"}),
     "new_tokens": Flag(64, "greedy tokens decoded after each prefill"),
     "prefill_chunk": Flag(DEFAULT_PREFILL_CHUNK, "prompt rows per prefill block (0: one block)", {"type": int}),
     "prefill_dtype": Flag("bfloat16", "precision of the prefill's products",
