@@ -103,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "instead of once per sample with every press's compress() in one hook")
     p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
     p.add_argument("--device", default="cpu", help="torch device for both sides")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both models' compute dtype (kvfast's caches and transformers' weights and cache)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompts in the model's chat template (eval.py --chat): the context opens the "
+                        "user turn, the question closes it and the assistant header follows")
     p.add_argument("--overwrite", action="store_true",
                    help="drop the results in --out (another configuration, or to recompute everything)")
     args = p.parse_args(argv)
@@ -373,7 +378,7 @@ def run_kvpress(python: Path, args: argparse.Namespace, prompts: list[tasks.Prom
             samples.append({"uid": p.uid, "context": p.context, "question": p.question, "todo": todo})
     if not samples:
         return
-    job = {"model": str(args.hf_model.resolve()), "device": args.device, "threads": args.threads,
+    job = {"model": str(args.hf_model.resolve()), "device": args.device, "dtype": args.dtype, "threads": args.threads,
            "answer_tokens": tasks.ANSWER_TOKENS.get(args.task, 16),
            "stop_ids": sorted(getattr(tok, "stop_ids", None) or ()), "methods": methods,
            "press_prefill": args.press_prefill, "kvzip_tokenizer": KVZIP_TOKENIZERS[args.kvzip_suffix],
@@ -446,19 +451,21 @@ def main(argv: list[str] | None = None) -> Path:
     import torch
 
     from cli import load, resolve_checkpoint
+    from decode import DEFAULT_PREFILL_CHUNK
     from evals.caches import Evaluator
 
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpoint = resolve_checkpoint(args.checkpoint)
-    model, tok = load(checkpoint, args.device, torch.float32)
+    model, tok = load(checkpoint, args.device, getattr(torch, args.dtype))
     config = {"task": args.task, "seed": args.seed, "depths": args.depths, "haystack": args.haystack,
               "answer_room": args.answer_room, "checkpoint": checkpoint.name, "hf_model": args.hf_model.name,
-              "kvzip_suffix": args.kvzip_suffix, "kvfast_policy": OUR_POLICY,
+              "kvzip_suffix": args.kvzip_suffix, "dtype": args.dtype, "chat": args.chat, "kvfast_policy": OUR_POLICY,
               "methods": {k: [m.press, m.press_params, m.compressor, m.ours] for k, m in METHODS.items()}}
     store = Store(args.out, config, args.overwrite)
-    ev = Evaluator(model, tok, argparse.Namespace(compile=False, compile_scope="step", params={}))
-    framing = tasks.Framing.make(tok, False)
+    ev = Evaluator(model, tok, argparse.Namespace(compile=False, compile_scope="step", params={},
+                                                  prefill_chunk=DEFAULT_PREFILL_CHUNK))
+    framing = tasks.Framing.make(tok, args.chat)
     sentences = None
     if args.task != "passkey":
         sentences = tasks.haystack_units(tok, args.haystack)

@@ -240,7 +240,7 @@ def run(job_path: Path, out_path: Path) -> None:
     job = json.loads(job_path.read_text())
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=getattr(torch, job.get("dtype", "float32")),
                                                  attn_implementation="sdpa")
     model.to(job["device"]).eval()
     versions = {"kvpress": _version("kvpress"), "transformers": transformers.__version__,
