@@ -81,8 +81,14 @@ class PromptWeight:
         """The weight as a [out, in] float tensor in dtype (a plain tensor: a Parameter would be registered)."""
         return self.weight.detach().to(dtype)
 
-    def prompt_product(self, x: Tensor) -> Tensor:
-        return add_bias(F.linear(x, self.prompt_weight), self.bias)
+    def forward(self, x: Tensor) -> Tensor:
+        if self.prompt_weight is not None:
+            return add_bias(F.linear(x, self.prompt_weight), self.bias)
+        return self.product(x)
+
+    def product(self, x: Tensor) -> Tensor:
+        """x @ weight.T + bias through the layer's own kernel (kernels.linear / int4_linear)."""
+        raise NotImplementedError
 
 
 class Linear(PromptWeight, nn.Linear):
@@ -91,9 +97,7 @@ class Linear(PromptWeight, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.prompt_weight is not None:
-            return self.prompt_product(x)
+    def product(self, x: Tensor) -> Tensor:
         return add_bias(linear(x, self.weight), self.bias)
 
 
@@ -407,9 +411,7 @@ class Int8Linear(PromptWeight, nn.Module):
     def dense_weight(self, dtype: torch.dtype) -> Tensor:
         return (self.weight.to(self.scales.dtype) * self.scales.unsqueeze(-1)).to(dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.prompt_weight is not None:
-            return self.prompt_product(x)
+    def product(self, x: Tensor) -> Tensor:
         return add_bias(linear(x, self.weight, self.scales), self.bias)
 
 
@@ -444,9 +446,7 @@ class BF16Linear(PromptWeight, BF16Storage):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)  # the compute dtype, not bf16
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.prompt_weight is not None:
-            return self.prompt_product(x)
+    def product(self, x: Tensor) -> Tensor:
         return add_bias(linear(x, self.weight), self.bias)
 
 
@@ -473,9 +473,7 @@ class Int4Linear(PromptWeight, nn.Module):
     def dense_weight(self, dtype: torch.dtype) -> Tensor:
         return dequantize_int4(self.weight, self.scales, self.offsets).to(dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.prompt_weight is not None:
-            return self.prompt_product(x)
+    def product(self, x: Tensor) -> Tensor:
         return add_bias(int4_linear(x, self.weight, self.scales, self.offsets), self.bias)
 
 
