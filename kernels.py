@@ -354,7 +354,7 @@ def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
     in the high one), scales and offsets [out, in / group_size]."""
     out, n_groups = scales.shape
     codes = torch.cat([packed & 15, packed >> 4], 1).view(out, n_groups, -1)
-    return (codes.to(scales.dtype) * scales[..., None] + offsets[..., None]).view(out, -1)
+    return torch.addcmul(offsets[..., None], codes.to(scales.dtype), scales[..., None]).view(out, -1)
 
 
 def int4_dot_fits(in_features: int, n_groups: int) -> bool:
