@@ -313,7 +313,10 @@ def test_blockwise_prompt_statistics_equal_dense(monkeypatch):
 
     monkeypatch.setattr(prompt_stats, "attention_rows", spy)
     monkeypatch.setattr(prompt_stats, "PREFILL_BLOCK_ELEMENTS", B * H_KV * G * S * 4)  # 4 rows at a time
+    # on CPU: two flash-attention passes, not one row of probabilities in memory
     torch.testing.assert_close(prompt_stats.column_sums(q, k), dense.sum(dim=3))
+    assert rows_seen == []
+    torch.testing.assert_close(prompt_stats.column_sums(q, k, block_rows=4), dense.sum(dim=3))
     assert max(rows_seen) == 4, "column sums must be computed in query blocks, never S x S at once"
     gen = torch.Generator().manual_seed(11)
     for block in (1, 3, 7):
