@@ -5,7 +5,8 @@ Per length (the first N tokens of --text) and per cache (a budget: 1 is the full
 prompt's prefill in query blocks of --prefill-chunk rows (products in --prefill-dtype), then --new-tokens greedy
 tokens through the compiled step (block scope, compiled before the prefill and not timed), and the process's
 resident-set high-water mark over that prefill and decode (VmHWM, reset before each row: the weights, the caches,
-the prefill's activations). Budgets compress the prompt with --policy's own compressor. llama.cpp (the
+the prefill's activations). Budgets compress the prompt with --policy's own compressor; POLICY+warm (e.g.
+window+warm) adds kv.tiers' warm store at its default settings. llama.cpp (the
 llama-cpp-cffi wheel's CPU build, installed on first use into .peers/) runs only at --peer-lengths: its prefill of
 16k tokens takes minutes on two cores.
 """
@@ -20,8 +21,9 @@ import torch
 
 import cache as kvcache
 import quantize
-from benchmarks.common import Bench, Flag, row, table, text_ids
+from benchmarks.common import Bench, Flag, row, table, text_ids, tokenizer_of
 from decode import DEFAULT_PREFILL_CHUNK, Decoder, release_free_memory
+from evals.caches import TIER_DEFAULTS, split_combo_policy
 from kv.quant import kv_format
 from model import KVFastError, Transformer
 
@@ -45,7 +47,9 @@ def run_cache(model: Transformer, ids: list[int], label: str, policy: str, budge
               args: argparse.Namespace) -> dict:
     """One row: compile, prefill, decode, peak memory; the caches are dropped afterwards."""
     kv, _ = kv_format(bits, args.kv_float)
+    policy, warm, _ = split_combo_policy(policy)
     model.setup_caches(kvcache.make_cache_factory(policy, 1, model.args, len(ids), args.new_tokens, budget=budget,
+                                                  tokenizer=args.tokenizer, tiers=dict(TIER_DEFAULTS) if warm else None,
                                                   **kv))
     torch._dynamo.reset()  # new cache shapes: a clean compile cache (dynamo's recompile limit)
     dtype = getattr(torch, args.prefill_dtype) if args.prefill_dtype else None
@@ -95,6 +99,7 @@ def run_transformers(ids: list[int], args: argparse.Namespace) -> dict:
 
 
 def bench_longctx(model: Transformer, checkpoint: Path, args: argparse.Namespace) -> dict:
+    args.tokenizer = tokenizer_of(checkpoint)  # KVzip's repeat prompt is text
     text = text_ids(checkpoint, args.text)
     if len(text) < max(args.lengths):
         raise KVFastError(f"--text has {len(text)} tokens, fewer than the longest length {max(args.lengths)}")
@@ -143,8 +148,9 @@ def bench_longctx(model: Transformer, checkpoint: Path, args: argparse.Namespace
 
 def check(args: argparse.Namespace) -> None:
     for p in args.policy:
-        if p not in kvcache.POLICIES or p == "full":
-            raise KVFastError(f"--policy must name compressing policies, got {p!r}")
+        name, _, shift = split_combo_policy(p)
+        if name not in kvcache.POLICIES or name == "full" or shift or p.rpartition("+kv")[1]:
+            raise KVFastError(f"--policy must name compressing policies (POLICY or POLICY+warm), got {p!r}")
     if any(b <= 0 for b in args.budgets):
         raise KVFastError("--budgets must be > 0 (1: the full cache)")
     if not set(args.peer_lengths) <= set(args.lengths) or not set(args.hf_lengths) <= set(args.lengths):
@@ -158,7 +164,8 @@ BENCH = Bench(__doc__, bench_longctx, {
                     {"type": float, "nargs": "+", "metavar": "B"}),
     "kv_bits": Flag([16, 8], "K/V formats, a row each (16: --kv-float)"),
     "kv_float": Flag("float16", "16-bit K/V's float"),
-    "policy": Flag(["snapkv"], "the compressing policies of the budgets, rows each", {"nargs": "+", "metavar": "POLICY"}),
+    "policy": Flag(["snapkv"], "the compressing policies of the budgets, rows each (POLICY+warm: with kv.tiers)",
+                   {"nargs": "+", "metavar": "POLICY"}),
     "new_tokens": Flag(64, "greedy tokens decoded after each prefill"),
     "prefill_chunk": Flag(DEFAULT_PREFILL_CHUNK, "prompt rows per prefill block (0: one block)", {"type": int}),
     "prefill_dtype": Flag("bfloat16", "precision of the prefill's products",

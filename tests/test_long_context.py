@@ -148,3 +148,38 @@ def test_cli_prefills_in_blocks_and_prints_one_peak_memory_line(tiny_checkpoint,
     assert outs[0] == outs[1]  # the same greedy text from one block and from blocks of 4 rows
     assert generate.cli([*common, "--prefill-chunk", "-1"]) == 2
     assert "--prefill-chunk must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["window+warm", "expected_attention"])
+def test_bench_longctx_row_compiles_nothing_after_its_warm_up(policy):
+    """bench.py longctx's row (compiled decode after a blockwise bfloat16 prefill): POLICY+warm turns kv.tiers on,
+    and the timed prefill and decode add no graph to the warm-up's."""
+    import argparse
+
+    from benchmarks.longctx import run_cache
+
+    model = tiny_model()
+    built = []
+    setup = model.setup_caches
+    model.setup_caches = lambda factory: (setup(factory), built.append(list(model.caches)))
+    ids = torch.randint(0, 64, (PROMPT,), generator=torch.Generator().manual_seed(6)).tolist()
+    args = argparse.Namespace(kv_float="float16", prefill_dtype="bfloat16", prefill_chunk=CHUNK, new_tokens=8,
+                              tokenizer=None)
+    row = run_cache(model, ids, policy, policy, 0.25, 16, args)
+    assert row["new_graphs"] == 0
+    assert row["slots"] == 27  # a quarter of the 108 prompt + new tokens
+    caches, dropped = built
+    assert all((c.tiers is not None) == policy.endswith("+warm") for c in caches)
+    assert all(c.k.dtype == torch.float16 for c in caches)
+    assert dropped == [None] * model.args.n_layers  # the row's caches are dropped afterwards
+
+
+def test_bench_longctx_refuses_a_policy_it_cannot_compress_with():
+    import argparse
+
+    from benchmarks.longctx import check
+
+    for bad in ("full", "window+shift", "h2o+kv8", "nope"):
+        args = argparse.Namespace(policy=[bad], budgets=[0.5], peer_lengths=[], hf_lengths=[])
+        with pytest.raises(KVFastError, match="--policy must name compressing policies"):
+            check(args)
