@@ -339,6 +339,11 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
     path = _path(x, weight.dtype)
     if path.startswith("int-dot") and scales is not None:
         return int_ops().int8_linear(x.float(), weight, scales).to(x.dtype)
+    if path == "f-linear" and scales is not None and x.shape[:-1].numel() <= 2 and x.dtype == scales.dtype \
+            and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        # a prompt's last rows through an int8 head: ATen's int8 GEMV reads the codes as they are, where F.linear
+        # would first write the whole weight in fp32 (the 151,936-row head of Qwen2.5: 0.3 s per prompt)
+        return torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight, scales).view(*x.shape[:-1], -1)
     if path == "int8pack-mm":
         y = int8_gemm(x, weight)
     elif path.startswith("gemm-onednn"):
@@ -349,12 +354,18 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
     return y if scales is None else y * scales
 
 
-def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
-    """quantize.py's int4 weights -> [out, in]: codes uint8 [out, in / 2] (column j in the low nibble, j + in / 2
-    in the high one), scales and offsets [out, in / group_size]."""
+def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """quantize.py's int4 weights -> [out, in] in dtype (default: the scales'): codes uint8 [out, in / 2]
+    (column j in the low nibble, j + in / 2 in the high one), scales and offsets [out, in / group_size]. Eager on
+    CPU, kernels_cpu's one-pass kernel where it is built and the groups tile each half of a row."""
+    dtype = dtype or scales.dtype
     out, n_groups = scales.shape
+    half_row, group = packed.shape[1], 2 * packed.shape[1] // n_groups
+    ops = None if torch.compiler.is_compiling() or packed.device.type != "cpu" else int_ops()
+    if ops is not None and dtype in (torch.float32, torch.bfloat16) and half_row % group == 0:
+        return ops.int4_dequantize(packed, scales, offsets, dtype)
     codes = torch.cat([packed & 15, packed >> 4], 1).view(out, n_groups, -1)
-    return torch.addcmul(offsets[..., None], codes.to(scales.dtype), scales[..., None]).view(out, -1)
+    return torch.addcmul(offsets[..., None], codes.to(scales.dtype), scales[..., None]).view(out, -1).to(dtype)
 
 
 def int4_dot_fits(in_features: int, n_groups: int) -> bool:
@@ -370,7 +381,7 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor) -> T
     if path.startswith("int-dot") and int4_dot_fits(x.shape[-1], scales.shape[1]):
         return int_ops().int4_linear(x.float(), packed, scales, offsets).to(x.dtype)
     if path == "f-linear":
-        return F.linear(x, dequantize_int4(packed, scales, offsets).to(x.dtype))
+        return F.linear(x, dequantize_int4(packed, scales, offsets, x.dtype))
     # sum_j x_j (q_j s + o) = sum_j x_j q_j s + o * (x's group sum). The nibbles are split with float
     # arithmetic and each half of the row meets a contiguous half of x: both keep Inductor's reduction
     # vectorized (uint8 bit operations and interleaved columns did not: 3-20x slower here). It is fastest

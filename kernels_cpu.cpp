@@ -331,6 +331,42 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& packed_, const at
   return y;
 }
 
+// int4 codes (int4_linear's layout) -> [out, in] weights in fp32 or bfloat16: code * scale + offset in fp32 (as
+// kernels.dequantize_int4), rounded once, to nearest even, where bfloat16. One pass over the codes: a prompt's
+// dense weight per layer (model.PromptWeight) costs the eager version five passes over fp32 temporaries.
+at::Tensor int4_dequantize(const at::Tensor& packed_, const at::Tensor& scales_, const at::Tensor& offsets_,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(packed_.scalar_type() == at::kByte && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "int4_dequantize: uint8 codes to float32 or bfloat16");
+  const at::Tensor packed = packed_.contiguous();
+  const at::Tensor scales = scales_.to(at::kFloat).contiguous(), offsets = offsets_.to(at::kFloat).contiguous();
+  const int64_t out = packed.size(0), half = packed.size(1), in = 2 * half, n_groups = scales.size(1);
+  const int64_t group = in / n_groups;
+  TORCH_CHECK(n_groups * group == in && half % group == 0, "int4_dequantize: groups must tile each half of a row");
+  at::Tensor w = at::empty({out, in}, packed.options().dtype(dtype));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(in);
+    for (int64_t o = begin; o < end; ++o) {
+      const uint8_t* codes = wp + o * half;
+      for (int64_t g = 0; g < n_groups; ++g) {
+        const float scale = sp[o * n_groups + g], offset = op[o * n_groups + g];
+        const int64_t first = g * group, shift = first < half ? 0 : 4, at = first < half ? first : first - half;
+        for (int64_t j = 0; j < group; ++j) row[first + j] = float((codes[at + j] >> shift) & 15) * scale + offset;
+      }
+      if (dtype == at::kFloat) {
+        std::copy(row.begin(), row.end(), w.data_ptr<float>() + o * in);
+      } else {
+        at::BFloat16* dst = w.data_ptr<at::BFloat16>() + o * in;
+        for (int64_t j = 0; j < in; ++j) dst[j] = at::BFloat16(row[j]);
+      }
+    }
+  });
+  return w;
+}
+
 // The activations exactly as the products see them: q [..., in] int8 and the block scales [..., in / 32]
 // (tests compare against a float64 product of these).
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_) {
@@ -354,10 +390,12 @@ TORCH_LIBRARY(KVFAST_NS, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
+  m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor offsets, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(KVFAST_NS, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("quantize_activations", &quantize_activations);
+  m.impl("int4_dequantize", &int4_dequantize);
 }

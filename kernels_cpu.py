@@ -52,8 +52,8 @@ _meta: list[torch.library.Library] = []
 
 
 def ops(isa: str) -> Any:
-    """torch.ops.kvfast_<isa> with int8_linear, int4_linear and quantize_activations, built on first use; None
-    (after one warning) where it cannot be built."""
+    """torch.ops.kvfast_<isa> with int8_linear, int4_linear, int4_dequantize and quantize_activations, built on
+    first use; None (after one warning) where it cannot be built."""
     if isa not in _loaded:
         _loaded[isa] = _build(isa)
     return _loaded[isa]
@@ -80,5 +80,7 @@ def _build(isa: str) -> Any:
     meta.impl("int4_linear", lambda x, packed, scales, offsets: x.new_empty(*x.shape[:-1], packed.shape[0]), "Meta")
     meta.impl("quantize_activations", lambda x: (x.new_empty(x.shape, dtype=torch.int8),
                                                  x.new_empty(*x.shape[:-1], x.shape[-1] // 32)), "Meta")
+    meta.impl("int4_dequantize", lambda packed, scales, offsets, dtype: packed.new_empty(
+        packed.shape[0], 2 * packed.shape[1], dtype=dtype), "Meta")
     _meta.append(meta)
     return getattr(torch.ops, ns)

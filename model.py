@@ -254,7 +254,8 @@ class TransformerBlock(nn.Module):
         blocks = [(0, S)] if chunk is None or chunk >= S else [(a, min(S, a + chunk)) for a in range(0, S, chunk)]
         several = len(blocks) > 1
         with dense_for_prompt((attn.wqkv,), work) if several else nullcontext():
-            parts = [attn.project(self.attention_norm(x[:, a:b]).to(work), cos[a:b], sin[a:b]) for a, b in blocks]
+            parts = [[t.to(work) for t in attn.project(self.attention_norm(x[:, a:b]).to(work), cos[a:b], sin[a:b])]
+                     for a, b in blocks]  # q, k, v biases are fp32: the sums come back in fp32
         q, k, v = (torch.cat(p, dim=2) if several else p[0] for p in zip(*parts))
         with dense_for_prompt((attn.wo, ffn.w13, ffn.w2), work) if several else nullcontext():
             for a, b in blocks:
@@ -462,7 +463,7 @@ class Int4Linear(PromptWeight, nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     def dense_weight(self, dtype: torch.dtype) -> Tensor:
-        return dequantize_int4(self.weight, self.scales, self.offsets).to(dtype)
+        return dequantize_int4(self.weight, self.scales, self.offsets, dtype)
 
     def product(self, x: Tensor) -> Tensor:
         return add_bias(int4_linear(x, self.weight, self.scales, self.offsets), self.bias)

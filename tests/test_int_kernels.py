@@ -84,6 +84,25 @@ def test_each_kernel_equals_the_float64_product_of_its_operands(isa, shape):
 
 
 @pytest.mark.parametrize("isa", kernels_cpu.ISAS)
+@pytest.mark.parametrize("group", [32, 64, 448])
+def test_int4_dequantize_is_codes_times_scale_plus_offset(isa, group):
+    """The prompt's dense copy of an int4 weight (model.PromptWeight): each value code * scale + offset, in fp32 one
+    multiply-add from the float64 value, in bfloat16 that rounded once more."""
+    ops = built(isa)
+    w = torch.randn(40, 896, generator=torch.Generator().manual_seed(group))
+    packed, scales, offsets = quantize.quantize_int4(w, group)
+    codes = torch.cat([packed & 15, packed >> 4], 1).double().view(40, scales.shape[1], group)
+    exact = (codes * scales.double()[..., None] + offsets.double()[..., None]).view(40, -1)
+    dense = ops.int4_dequantize(packed, scales, offsets, torch.float32)
+    assert dense.dtype == torch.float32
+    assert_numerically_close(dense, exact.float(), depth=2)
+    half = ops.int4_dequantize(packed, scales, offsets, torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    assert_numerically_close(half.float(), exact.float(), depth=2, storage=torch.bfloat16, roundings=1)
+    assert torch.equal(half, dense.bfloat16())  # rounded to nearest even, as torch rounds
+
+
+@pytest.mark.parametrize("isa", kernels_cpu.ISAS)
 def test_activation_codes_round_to_nearest_within_127(isa):
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)) * 10
     q, d = built(isa).quantize_activations(x)
