@@ -404,7 +404,8 @@ def run_kvpress(python: Path, args: argparse.Namespace, prompts: list[tasks.Prom
 def report(store: Store, args: argparse.Namespace) -> str:
     records = list(store.records.values())
     lines = ["# Peer check: kvfast vs kvpress", "",
-             (f"Query-agnostic, raw prompts, greedy; task {args.task}, seed {args.seed}, kvfast policy "
+             (f"Query-agnostic, {'chat-template' if args.chat else 'raw'} prompts, greedy; task {args.task}, "
+              f"haystack {args.haystack}, seed {args.seed}, kvfast policy "
               f"`{OUR_POLICY}` (append-only) with each method as its prompt compressor; kvpress "
               f"compression_ratio r keeps int(S (1 - r)) context tokens per KV head on both sides. "
               "agreement: fraction of samples scored the same on both sides; same tokens: identical "
