@@ -230,14 +230,17 @@ def gemm_path(dtype: torch.dtype) -> str:
 
 def linear_path(dtype: torch.dtype, rows: int, one_token: bool = True, compiled: bool = True) -> str:
     """The kernel of a linear layer with `dtype` weights (uint8: int4) over `rows` rows on this CPU, one token
-    per row (a batched decode step) or not (a verification's tokens): "f-linear" (eager, CUDA, or a dynamic
-    row count: ATen's GEMM), up to MAX_REDUCTION_ROWS rows "reductions" (per_row) or for int8 / int4 weights
+    per row (a batched decode step) or not (a verification's tokens): "f-linear" (eager, or a dynamic
+    row count: ATen's GEMM; "int8-gemv" for up to two eager rows of int8 weights), up to MAX_REDUCTION_ROWS rows "reductions" (per_row) or for int8 / int4 weights
     int_path(dtype) (integer dot products, each row on its own), or from gemm_rows(dtype) one-token rows
     gemm_path(dtype). Reductions: torch's fp32 GEMV streams weights at a fraction of the memory
     bandwidth, while Inductor turns a multiply-and-sum into one vectorized, parallel reduction that reads each
     weight once (decode is bandwidth-bound) and fuses any dequantization of int8 / int4 weights into it."""
     if not compiled or not isinstance(rows, int):  # a SymInt under a dynamic-shape compile (--compile-prefill)
-        return "f-linear"
+        # eager: a prompt's last rows through an int8 head read its codes in ATen's int8 GEMV, where F.linear
+        # would first write the whole weight in fp32 (Qwen2.5's 151,936-row head: 0.3 s per prompt)
+        return "int8-gemv" if not compiled and dtype == torch.int8 and isinstance(rows, int) and rows <= 2 \
+            else "f-linear"
     if one_token and rows >= gemm_rows(dtype):
         return gemm_path(dtype)
     if rows > MAX_REDUCTION_ROWS:
@@ -280,7 +283,9 @@ def _path(x: Tensor, dtype: torch.dtype) -> str:
     """linear_path for x [..., in] where it runs: compiled on CPU, one token per row if [B, 1, in]."""
     if _integer_everywhere and dtype in INT_DTYPES and x.device.type == "cpu":
         return int_path(dtype)
-    compiled = torch.compiler.is_compiling() and x.device.type == "cpu"
+    if x.device.type != "cpu":
+        return "f-linear"
+    compiled = torch.compiler.is_compiling()
     return linear_path(dtype, x.shape[:-1].numel(), compiled and x.dim() == 3 and x.shape[1] == 1, compiled)
 
 
@@ -339,11 +344,9 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
     path = _path(x, weight.dtype)
     if path.startswith("int-dot") and scales is not None:
         return int_ops().int8_linear(x.float(), weight, scales).to(x.dtype)
-    if path == "f-linear" and scales is not None and x.shape[:-1].numel() <= 2 and x.dtype == scales.dtype \
-            and x.device.type == "cpu" and not torch.compiler.is_compiling():
-        # a prompt's last rows through an int8 head: ATen's int8 GEMV reads the codes as they are, where F.linear
-        # would first write the whole weight in fp32 (the 151,936-row head of Qwen2.5: 0.3 s per prompt)
-        return torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight, scales).view(*x.shape[:-1], -1)
+    if path == "int8-gemv" and scales is not None:
+        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight, scales.to(x.dtype))
+        return y.view(*x.shape[:-1], -1)
     if path == "int8pack-mm":
         y = int8_gemm(x, weight)
     elif path.startswith("gemm-onednn"):
@@ -356,8 +359,8 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
 
 def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """quantize.py's int4 weights -> [out, in] in dtype (default: the scales'): codes uint8 [out, in / 2]
-    (column j in the low nibble, j + in / 2 in the high one), scales and offsets [out, in / group_size]. Eager on
-    CPU, kernels_cpu's one-pass kernel where it is built and the groups tile each half of a row."""
+    (column j in the low nibble, j + in / 2 in the high one), scales and offsets [out, in / group_size]; eager on
+    CPU by kernels_cpu's one-pass kernel where it is built and the groups tile each half of a row."""
     dtype = dtype or scales.dtype
     out, n_groups = scales.shape
     half_row, group = packed.shape[1], 2 * packed.shape[1] // n_groups

@@ -61,6 +61,7 @@ def test_each_kind_decides_its_paths(cpu_kind):
         assert linear_path(dtype, 8, one_token=False) == small
         assert linear_path(dtype, 17, one_token=False) == "f-linear"
         assert linear_path(dtype, 8, compiled=False) == "f-linear"
+        assert linear_path(dtype, 2, compiled=False) == ("int8-gemv" if dtype == INT8 else "f-linear")
     assert "\n" not in kernels.cpu_report() and f"kernels chosen as for {cpu_kind}" in kernels.cpu_report()
 
 
