@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch._inductor import config as inductor_config
 
 from compilecache import guard_free, trust_cpu_vector_flags
+from kernels import dynamic_rows
 from kv import kvzip
 from kv.budgets import DYNAMIC_CAPACITY_CONFIG, mark_capacity_dynamic
 from kv.tiers import TierSpec
@@ -106,15 +107,32 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
 DEFAULT_PREFILL_CHUNK = 8192
 
 
-def prefill(model: Transformer, idx: Tensor, temperature: float, top_k: int | None,
-            chunk: int | None = DEFAULT_PREFILL_CHUNK, dtype: torch.dtype | None = None) -> Tensor:
+def prompt_logits(model: Transformer, idx: Tensor, chunk: int | None, dtype: torch.dtype | None) -> Tensor:
     """The prompt idx [B, S] into the caches, layer by layer in query blocks of `chunk` rows (None: one block),
-    the products in `dtype` (None: the model's); the token sampled after it [B, 1]."""
+    the products in `dtype` (None: the model's); the logits after it. What --compile-prefill compiles."""
     if kvzip.needs_context_pass(model):  # KVzip scores need the whole model before any layer compresses
-        logits = kvzip.prefill(model, idx, chunk, dtype)
-    else:
-        logits = model(idx, prefill_chunk=chunk, prefill_dtype=dtype)
-    release_free_memory()
+        return kvzip.prefill(model, idx, chunk, dtype)
+    return model(idx, prefill_chunk=chunk, prefill_dtype=dtype)
+
+
+def compiled_prompt_logits() -> Callable[..., Tensor]:
+    """prompt_logits compiled once for every prompt length (dynamic shapes, one query block), its products
+    ATen's GEMMs (kernels.dynamic_rows)."""
+    compiled = torch.compile(prompt_logits, fullgraph=True, dynamic=True)
+
+    def logits_of(*args: object) -> Tensor:
+        with dynamic_rows():
+            return compiled(*args)
+    return logits_of
+
+
+def prefill(model: Transformer, idx: Tensor, temperature: float, top_k: int | None,
+            chunk: int | None = DEFAULT_PREFILL_CHUNK, dtype: torch.dtype | None = None,
+            logits_of: Callable[..., Tensor] = prompt_logits) -> Tensor:
+    """prompt_logits (or its compiled form, logits_of), the heap's freed pages returned, the token sampled after
+    the prompt [B, 1]."""
+    logits = logits_of(model, idx, chunk, dtype)
+    release_free_memory()  # outside any graph: a foreign call dynamo cannot trace
     return sample(logits, temperature, top_k)
 
 
@@ -315,8 +333,8 @@ class Decoder:
             if kvzip.needs_context_pass(model):
                 raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
             # one block: a symbolic prompt length splits into no data-dependent number of blocks
-            self.prefill = torch.compile(partial(prefill, chunk=None, dtype=prefill_dtype), fullgraph=True,
-                                         dynamic=True)
+            self.prefill = partial(prefill, chunk=None, dtype=prefill_dtype,
+                                   logits_of=compiled_prompt_logits())
 
     def _compile(self) -> None:
         compiled = partial(torch.compile, mode=self.mode, fullgraph=True)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import reduce
 from typing import NamedTuple
@@ -230,17 +231,16 @@ def gemm_path(dtype: torch.dtype) -> str:
 
 def linear_path(dtype: torch.dtype, rows: int, one_token: bool = True, compiled: bool = True) -> str:
     """The kernel of a linear layer with `dtype` weights (uint8: int4) over `rows` rows on this CPU, one token
-    per row (a batched decode step) or not (a verification's tokens): "f-linear" (eager, or a dynamic
-    row count: ATen's GEMM; "int8-gemv" for up to two eager rows of int8 weights), up to MAX_REDUCTION_ROWS rows "reductions" (per_row) or for int8 / int4 weights
-    int_path(dtype) (integer dot products, each row on its own), or from gemm_rows(dtype) one-token rows
+    per row (a batched decode step) or not (a verification's tokens): "f-linear" (eager: ATen's GEMM;
+    "int8-gemv" for up to two eager rows of int8 weights), up to MAX_REDUCTION_ROWS rows "reductions"
+    (per_row) or for int8 / int4 weights int_path(dtype) (integer dot products, each row on its own), or from gemm_rows(dtype) one-token rows
     gemm_path(dtype). Reductions: torch's fp32 GEMV streams weights at a fraction of the memory
     bandwidth, while Inductor turns a multiply-and-sum into one vectorized, parallel reduction that reads each
     weight once (decode is bandwidth-bound) and fuses any dequantization of int8 / int4 weights into it."""
-    if not compiled or not isinstance(rows, int):  # a SymInt under a dynamic-shape compile (--compile-prefill)
+    if not compiled:
         # eager: a prompt's last rows through an int8 head read its codes in ATen's int8 GEMV, where F.linear
         # would first write the whole weight in fp32 (Qwen2.5's 151,936-row head: 0.3 s per prompt)
-        return "int8-gemv" if not compiled and dtype == torch.int8 and isinstance(rows, int) and rows <= 2 \
-            else "f-linear"
+        return "int8-gemv" if dtype == torch.int8 and rows <= 2 else "f-linear"
     if one_token and rows >= gemm_rows(dtype):
         return gemm_path(dtype)
     if rows > MAX_REDUCTION_ROWS:
@@ -249,6 +249,21 @@ def linear_path(dtype: torch.dtype, rows: int, one_token: bool = True, compiled:
 
 
 _integer_everywhere = False  # integer_products("everywhere")
+_dynamic_rows = False  # dynamic_rows()
+
+
+@contextmanager
+def dynamic_rows() -> Iterator[None]:
+    """Around a call of a dynamic-shape compiled prompt (--compile-prefill): every product takes "f-linear". Its
+    row count is symbolic, and dynamo answers isinstance(rows, int) for it, so linear_path would compare it with
+    its thresholds and guard the graph to one side of each (a 300-token prompt compiled to per-row reductions and
+    recompiled for a longer one). A compiled graph guards on this flag, so decode steps keep their own graphs."""
+    global _dynamic_rows
+    _dynamic_rows = True
+    try:
+        yield
+    finally:
+        _dynamic_rows = False
 
 
 class integer_products:
@@ -283,7 +298,7 @@ def _path(x: Tensor, dtype: torch.dtype) -> str:
     """linear_path for x [..., in] where it runs: compiled on CPU, one token per row if [B, 1, in]."""
     if _integer_everywhere and dtype in INT_DTYPES and x.device.type == "cpu":
         return int_path(dtype)
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or _dynamic_rows:
         return "f-linear"
     compiled = torch.compiler.is_compiling()
     return linear_path(dtype, x.shape[:-1].numel(), compiled and x.dim() == 3 and x.shape[1] == 1, compiled)

@@ -329,3 +329,29 @@ def test_later_steps_skip_guards_but_new_caches_still_recompile(monkeypatch):
         assert unguarded[before:] == [N_NEW - 3]  # steps 3.. of the call, one lookup for the call
         assert torch.equal(compiled, generate_tokens(model, prompt, N_NEW))
     assert graphs() - start == 3  # one graph per cache shape, each compiled by a guarded step
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+def test_compiled_prefill_is_eager_and_one_graph_for_every_prompt_length(weights):
+    """--compile-prefill: one dynamic-shape graph serves prompts on both sides of every row threshold of
+    kernels.linear_path (its products are ATen's GEMMs, kernels.dynamic_rows), with eager's logits."""
+    from numerics import assert_numerically_close, model_depth
+
+    import quantize
+
+    model = quantize.quantize_model(tiny_model(), weights, 16) if weights != "fp32" else tiny_model()
+    lengths = (3, 17, 300)  # under MAX_REDUCTION_ROWS, just over it, far over
+    model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, max(lengths), 8))
+    logits_of = decode.compiled_prompt_logits()
+    counts = []
+    with torch.inference_mode():
+        for n in lengths:
+            idx = torch.randint(0, model.args.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+            eager = decode.prompt_logits(model, idx, None, None)
+            compiled = logits_of(model, idx, None, None)
+            assert_numerically_close(compiled, eager, depth=model_depth(model.args, n))
+            counts.append((graphs(), sum(counters["recompiles"].values())))
+    assert counts[0] == counts[-1], f"prompt lengths {lengths} compiled more than once: {counts}"
+    with torch.inference_mode():  # and the Decoder's prefill around it (its heap trim stays outside the graph)
+        token = decode.Decoder(model, compile_prefill=True).prefill(model, idx, 0.0, None)
+    assert token.item() == int(eager[0, -1].argmax()) and (graphs(), sum(counters["recompiles"].values())) == counts[0]
