@@ -332,6 +332,10 @@ class Decoder:
         if compile_prefill:
             if kvzip.needs_context_pass(model):
                 raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
+            untraceable = sorted({type(c).__name__ for c in model.caches if c is not None and not c.prompt_traceable})
+            if untraceable:
+                raise KVFastError(f"--compile-prefill cannot compile {', '.join(untraceable)}'s prompt compression "
+                                  "(how many tokens each head keeps depends on the scores): leave it out")
             # one block: a symbolic prompt length splits into no data-dependent number of blocks
             self.prefill = partial(prefill, chunk=None, dtype=prefill_dtype,
                                    logits_of=compiled_prompt_logits())

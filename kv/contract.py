@@ -51,6 +51,8 @@ class AttentionCache(nn.Module):
     """Compile refresh() (False where its eager version is faster)."""
     tiers: Any = None
     """kv.tiers.TierSpec where evicted tokens go to a warm store: the decoder's flush() and recall() apply."""
+    prompt_traceable: bool = True
+    """May --compile-prefill trace prefill() into its dynamic-shape graph (False: sizes that depend on data)?"""
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, memo: dict | None = None) -> None:
         """Take a fresh prompt's K/V [B, H_kv, S, D] (q [B, H, S, D], post-RoPE); memo: reusable statistics."""

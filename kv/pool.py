@@ -47,6 +47,7 @@ class PoolCache(KVCache):
     supports_pos_shift = False  # heads hold different counts, so a query would need a rank per KV head: not built
     supports_tiers = False  # a step's H_kv victims may belong to any heads; tiers stage one per head (hybrid does)
     channel_blocks = None  # attend_pool_one_query reads the pool whole
+    prompt_traceable = False  # how many of a prompt's tokens each head keeps is decided by their scores
 
     def allocate(self, slots: tuple[int, ...]) -> None:
         B, H, C = slots

@@ -355,3 +355,12 @@ def test_compiled_prefill_is_eager_and_one_graph_for_every_prompt_length(weights
     with torch.inference_mode():  # and the Decoder's prefill around it (its heap trim stays outside the graph)
         token = decode.Decoder(model, compile_prefill=True).prefill(model, idx, 0.0, None)
     assert token.item() == int(eager[0, -1].argmax()) and (graphs(), sum(counters["recompiles"].values())) == counts[0]
+
+
+@pytest.mark.parametrize("policy, cls", [("adakv", "AdaKVCache"), ("hybrid", "HybridCache")])
+def test_compiled_prefill_refuses_per_head_pools_in_one_line(policy, cls, tiny_checkpoint, capsys):
+    """A pool's per-head token counts follow the scores: no dynamic-shape graph can hold them."""
+    code, _, err = run_cli(capsys, tiny_checkpoint, "--compile-prefill", "--cache", policy, "--cache-budget", "80")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert f"--compile-prefill cannot compile {cls}'s prompt compression" in lines[0]
