@@ -24,6 +24,7 @@ import quantize
 from benchmarks.common import Bench, Flag, row, table, text_ids, tokenizer_of
 from decode import DEFAULT_PREFILL_CHUNK, Decoder, release_free_memory
 from evals.caches import TIER_DEFAULTS, split_combo_policy
+from kv import kvzip
 from kv.quant import kv_format
 from model import KVFastError, Transformer
 
@@ -53,7 +54,10 @@ def run_cache(model: Transformer, ids: list[int], label: str, policy: str, budge
                                                   **kv))
     torch._dynamo.reset()  # new cache shapes: a clean compile cache (dynamo's recompile limit)
     dtype = getattr(torch, args.prefill_dtype) if args.prefill_dtype else None
-    decoder = Decoder(model, compile=True, prefill_chunk=args.prefill_chunk or None, prefill_dtype=dtype)
+    compile_prefill = args.compile_prefill and not kvzip.needs_context_pass(model) and \
+        all(c.prompt_traceable for c in model.caches)
+    decoder = Decoder(model, compile=True, compile_prefill=compile_prefill, prefill_chunk=args.prefill_chunk or None,
+                      prefill_dtype=dtype)
     idx = torch.tensor([ids])
     decoder.warm_up(idx)
     counters = torch._dynamo.utils.counters
@@ -66,7 +70,7 @@ def run_cache(model: Transformer, ids: list[int], label: str, policy: str, budge
         t1 = time.perf_counter()
         decoder.decode(first, len(ids), args.new_tokens - 1)
         t2 = time.perf_counter()
-    out = {"cache": label, "prefill_s": t1 - t0, "tok_s": (args.new_tokens - 1) / (t2 - t1),
+    out = {"cache": label + (", compiled prefill" if compile_prefill else ""), "prefill_s": t1 - t0, "tok_s": (args.new_tokens - 1) / (t2 - t1),
            "peak_gib": rss_peak_gib(), "slots": model.caches[0].capacity,
            "kv_mib": sum(c.physical_bytes() for c in model.caches) / 2**20,
            "new_graphs": counters["stats"]["unique_graphs"] - graphs}
@@ -107,8 +111,10 @@ def bench_longctx(model: Transformer, checkpoint: Path, args: argparse.Namespace
     if longest > model.args.max_seq_len:
         raise KVFastError(f"the longest length + --new-tokens ({longest}) exceed the model's maximum length of "
                           f"{model.args.max_seq_len} tokens")
-    chunk = args.prefill_chunk or "one block"
-    table(f"long context: {', '.join(args.policy)} budgets vs the full cache, prefill in blocks of {chunk} rows "
+    chunk = f"in blocks of {args.prefill_chunk} rows" if args.prefill_chunk else "as one block"
+    if args.compile_prefill:
+        chunk = f"compiled (one block; kvzip and the per-head pools: {chunk})"
+    table(f"long context: {', '.join(args.policy)} budgets vs the full cache, prefill {chunk} "
           f"({args.prefill_dtype or 'fp32'} products), {args.new_tokens} greedy tokens compiled (block scope); "
           "peak = resident-set high-water mark over the row's prefill + decode; graphs = compiled graphs added after "
           "the warm-up (0: no recompiles)",
@@ -168,6 +174,8 @@ BENCH = Bench(__doc__, bench_longctx, {
                    {"nargs": "+", "metavar": "POLICY"}),
     "new_tokens": Flag(64, "greedy tokens decoded after each prefill"),
     "prefill_chunk": Flag(DEFAULT_PREFILL_CHUNK, "prompt rows per prefill block (0: one block)", {"type": int}),
+    "compile_prefill": Flag(False, "compile each row's prefill (decode.Decoder's compile_prefill: dynamic shapes, one "
+                            "block) where its cache can be traced", {"action": "store_true"}),
     "prefill_dtype": Flag("bfloat16", "precision of the prefill's products",
                           {"choices": ["float32", "bfloat16"]}),
     "peer_lengths": Flag([], "lengths at which llama.cpp also runs (its 16k prefill takes minutes)",

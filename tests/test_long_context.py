@@ -150,10 +150,13 @@ def test_cli_prefills_in_blocks_and_prints_one_peak_memory_line(tiny_checkpoint,
     assert "--prefill-chunk must be >= 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("policy", ["window+warm", "expected_attention"])
-def test_bench_longctx_row_compiles_nothing_after_its_warm_up(policy):
-    """bench.py longctx's row (compiled decode after a blockwise bfloat16 prefill): POLICY+warm turns kv.tiers on,
-    and the timed prefill and decode add no graph to the warm-up's."""
+@pytest.mark.parametrize("policy, compile_prefill, budget", [("window+warm", False, 0.25),
+                                                             ("expected_attention", False, 0.25),
+                                                             ("h2o", True, 0.25), ("adakv", True, 0.75)])
+def test_bench_longctx_row_compiles_nothing_after_its_warm_up(policy, compile_prefill, budget):
+    """bench.py longctx's row (compiled decode after a blockwise bfloat16 prefill, or a compiled one where the
+    cache can be traced): POLICY+warm turns kv.tiers on, and the timed prefill and decode add no graph to the
+    warm-up's."""
     import argparse
 
     from benchmarks.longctx import run_cache
@@ -164,10 +167,11 @@ def test_bench_longctx_row_compiles_nothing_after_its_warm_up(policy):
     model.setup_caches = lambda factory: (setup(factory), built.append(list(model.caches)))
     ids = torch.randint(0, 64, (PROMPT,), generator=torch.Generator().manual_seed(6)).tolist()
     args = argparse.Namespace(kv_float="float16", prefill_dtype="bfloat16", prefill_chunk=CHUNK, new_tokens=8,
-                              tokenizer=None)
-    row = run_cache(model, ids, policy, policy, 0.25, 16, args)
+                              tokenizer=None, compile_prefill=compile_prefill)
+    row = run_cache(model, ids, policy, policy, budget, 16, args)
     assert row["new_graphs"] == 0
-    assert row["slots"] == 27  # a quarter of the 108 prompt + new tokens
+    assert row["cache"].endswith(", compiled prefill") == (compile_prefill and policy != "adakv")  # a pool: eager
+    assert row["slots"] == round(budget * 108)  # of the 108 prompt + new tokens
     caches, dropped = built
     assert all((c.tiers is not None) == policy.endswith("+warm") for c in caches)
     assert all(c.k.dtype == torch.float16 for c in caches)
