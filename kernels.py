@@ -233,8 +233,8 @@ def linear_path(dtype: torch.dtype, rows: int, one_token: bool = True, compiled:
     """The kernel of a linear layer with `dtype` weights (uint8: int4) over `rows` rows on this CPU, one token
     per row (a batched decode step) or not (a verification's tokens): "f-linear" (eager: ATen's GEMM;
     "int8-gemv" for up to two eager rows of int8 weights), up to MAX_REDUCTION_ROWS rows "reductions"
-    (per_row) or for int8 / int4 weights int_path(dtype) (integer dot products, each row on its own), or from gemm_rows(dtype) one-token rows
-    gemm_path(dtype). Reductions: torch's fp32 GEMV streams weights at a fraction of the memory
+    (per_row) or for int8 / int4 weights int_path(dtype) (integer dot products, each row on its own), or from
+    gemm_rows(dtype) one-token rows gemm_path(dtype). Reductions: torch's fp32 GEMV streams weights at a fraction of the memory
     bandwidth, while Inductor turns a multiply-and-sum into one vectorized, parallel reduction that reads each
     weight once (decode is bandwidth-bound) and fuses any dequantization of int8 / int4 weights into it."""
     if not compiled:
@@ -254,10 +254,10 @@ _dynamic_rows = False  # dynamic_rows()
 
 @contextmanager
 def dynamic_rows() -> Iterator[None]:
-    """Around a call of a dynamic-shape compiled prompt (--compile-prefill): every product takes "f-linear". Its
-    row count is symbolic, and dynamo answers isinstance(rows, int) for it, so linear_path would compare it with
-    its thresholds and guard the graph to one side of each (a 300-token prompt compiled to per-row reductions and
-    recompiled for a longer one). A compiled graph guards on this flag, so decode steps keep their own graphs."""
+    """Around a call of a dynamic-shape compiled prompt (--compile-prefill): every product over the prompt's rows
+    takes "f-linear". Their count is symbolic, and dynamo answers isinstance(rows, int) for it, so linear_path
+    would compare it with its thresholds and guard the graph to one side of each (a 300-token prompt compiled to
+    per-row reductions and recompiled for a longer one). Compiled graphs guard on this flag's value."""
     global _dynamic_rows
     _dynamic_rows = True
     try:
@@ -298,10 +298,13 @@ def _path(x: Tensor, dtype: torch.dtype) -> str:
     """linear_path for x [..., in] where it runs: compiled on CPU, one token per row if [B, 1, in]."""
     if _integer_everywhere and dtype in INT_DTYPES and x.device.type == "cpu":
         return int_path(dtype)
-    if x.device.type != "cpu" or _dynamic_rows:
+    if x.device.type != "cpu":
         return "f-linear"
     compiled = torch.compiler.is_compiling()
-    return linear_path(dtype, x.shape[:-1].numel(), compiled and x.dim() == 3 and x.shape[1] == 1, compiled)
+    one_token = compiled and x.dim() == 3 and x.shape[1] == 1
+    if _dynamic_rows and not one_token:  # a prompt's rows; its last row's logits keep the one-token kernels
+        return "f-linear"
+    return linear_path(dtype, x.shape[:-1].numel(), one_token, compiled)
 
 
 def realized(x: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ import cache as kvcache
 import compilecache
 import decode
 import generate
+import kernels
 from compilecache import guard_free
 from kv.budgets import DYNAMIC_CAPACITY_CONFIG
 from model import KVFastError
@@ -344,17 +345,20 @@ def test_compiled_prefill_is_eager_and_one_graph_for_every_prompt_length(weights
     model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, max(lengths), 8))
     logits_of = decode.compiled_prompt_logits()
     counts = []
-    with torch.inference_mode():
+    # the last row's logits take the one-token kernels, as in a decode step: their fp32 reductions here (the
+    # integer products' Q8_0 activations are tested in test_int_kernels)
+    with kernels.integer_products("nowhere"), torch.inference_mode():
         for n in lengths:
             idx = torch.randint(0, model.args.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
             eager = decode.prompt_logits(model, idx, None, None)
             compiled = logits_of(model, idx, None, None)
             assert_numerically_close(compiled, eager, depth=model_depth(model.args, n))
             counts.append((graphs(), sum(counters["recompiles"].values())))
-    assert counts[0] == counts[-1], f"prompt lengths {lengths} compiled more than once: {counts}"
-    with torch.inference_mode():  # and the Decoder's prefill around it (its heap trim stays outside the graph)
+        assert counts[0] == counts[-1], f"prompt lengths {lengths} compiled more than once: {counts}"
+        # and the Decoder's prefill around it (its heap trim stays outside the graph)
         token = decode.Decoder(model, compile_prefill=True).prefill(model, idx, 0.0, None)
-    assert token.item() == int(eager[0, -1].argmax()) and (graphs(), sum(counters["recompiles"].values())) == counts[0]
+        assert token.item() == int(eager[0, -1].argmax())
+        assert (graphs(), sum(counters["recompiles"].values())) == counts[0]
 
 
 @pytest.mark.parametrize("policy, cls", [("adakv", "AdaKVCache"), ("hybrid", "HybridCache")])
