@@ -72,6 +72,28 @@ class RepeatPrompt:
         head = [ids(self.first)] if start == 0 else [ids(self.later), idx[:, max(0, start - self.carry) : start]]
         return torch.cat([*head, ids(self.suffix), idx[:, start:stop]], dim=1)
 
+    def longest(self, S: int, chunk: int) -> int:
+        """The length of the longest chunk_ids row for a context of S tokens in chunks of `chunk` (the first chunk,
+        or a full later one with its instruction and carried tokens)."""
+        first = len(self.first) + len(self.suffix) + min(S, chunk)
+        later = len(self.later) + min(self.carry, chunk) + len(self.suffix) + min(S - chunk, chunk) if S > chunk else 0
+        return max(first, later)
+
+
+def check_room(model: Transformer, S: int) -> None:
+    """Refuse, before the prefill, a context of S tokens whose reconstruction chunks would run past the model's
+    last position (a 32,704-token context leaves Qwen2.5 64 positions)."""
+    users = [m.compressor for m in kvzip_caches(model.caches) if m.prompt_capacity < S]
+    for comp in users:
+        n = (comp.repeat_prompt or RepeatPrompt([], [], [])).longest(S, comp.kvzip_chunk)
+        if S + n > model.rope_cos.shape[0]:
+            raise no_room(S, n, model.rope_cos.shape[0])
+
+
+def no_room(S: int, n: int, limit: int) -> KVFastError:
+    return KVFastError(f"kvzip: context ({S}) + a reconstruction chunk ({n}) exceed the model's maximum length of "
+                       f"{limit}; use a smaller --kvzip-chunk or a shorter context")
+
 
 class KVzipPrompt(PromptCompressor):
     """KVzip (Kim et al., NeurIPS 2025, arXiv:2505.23416): max attention received while the model repeats the
@@ -232,8 +254,7 @@ def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tenso
         n = ids.shape[1]
         pos = torch.arange(S, S + n, device=idx.device)
         if S + n > model.rope_cos.shape[0]:
-            raise KVFastError(f"kvzip: context ({S}) + a reconstruction chunk ({n}) exceed the model's maximum "
-                              f"length of {model.rope_cos.shape[0]}; use a smaller --kvzip-chunk")
+            raise no_room(S, n, model.rope_cos.shape[0])
         cos, sin = model.rope_cos[pos], model.rope_sin[pos]
         x = model.tok_embeddings(ids).float()
         for i, (layer, (_, k_ctx, v_ctx)) in enumerate(zip(model.layers, kv)):
@@ -294,6 +315,7 @@ def prefill(model: Transformer, idx: Tensor, chunk: int | None = None, dtype: to
     of `chunk` rows, products in `dtype`), score by reconstruction, fill. Returns the last position's logits
     [B, 1, V], like model(idx). The seconds spent on scoring are left in `model.kvzip_scoring_s` (read once by
     generate.py)."""
+    check_room(model, idx.shape[1])
     kv, hidden = record_prefill(model, idx, chunk, dtype)
     caches = model.caches
     memos = [{} for _ in caches]

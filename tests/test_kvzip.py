@@ -126,6 +126,26 @@ def test_chunk_inputs_follow_kvpress():
     assert REPEAT.chunk_ids(idx, 8, 16).tolist() == [[8, 9, 105, 106, 107, 10, 11, *range(108, 116)]]
 
 
+def test_longest_chunk_is_the_longest_chunk_input():
+    for S, chunk in [(20, 8), (20, 20), (20, 64), (17, 8), (9, 8), (3, 2)]:
+        lengths = [REPEAT.chunk_ids(torch.zeros(1, S, dtype=torch.long), a, min(S, a + chunk)).shape[1]
+                   for a in range(0, S, chunk)]
+        assert REPEAT.longest(S, chunk) == max(lengths), (S, chunk)
+
+
+def test_a_context_without_room_for_its_reconstruction_is_refused_before_the_prefill(monkeypatch):
+    """The reconstruction chunks follow the context's positions: a context that leaves no room is one line, before
+    the (at 32k, minutes-long) recorded prefill."""
+    model = tiny_model()
+    S = model.args.max_seq_len - 40  # room for 40 positions: a 64-token chunk and its instruction do not fit
+    model.setup_caches(make_cache_factory("snapkv", 1, model.args, S, 4, prompt_compression="kvzip", budget=64,
+                                          kvzip_chunk=64))
+    monkeypatch.setattr(kvzip, "record_prefill", lambda *a: pytest.fail("prefilled first"))
+    idx = torch.randint(0, 64, (1, S), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(KVFastError, match=rf"kvzip: context \({S}\) \+ a reconstruction chunk \(\d+\) exceed"):
+        kvzip.prefill(model, idx)
+
+
 def test_repeat_prompt_uses_the_chat_template(tiny_checkpoint):
     from tokenizer import load_tokenizer
 
