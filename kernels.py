@@ -136,8 +136,8 @@ def force_cpu(kind: str | None) -> _Restore:
 
 
 def _choose(kind: str | None) -> None:
-    global _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS
-    _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS = None, kind, None, None
+    global _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS, _ATTENTION_PATH
+    _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS, _ATTENTION_PATH = None, kind, None, None, None
     torch._dynamo.reset()
 
 
@@ -214,6 +214,23 @@ def int_path(dtype: torch.dtype) -> str:
     if _INT_PATHS is None:
         _INT_PATHS = int_paths()
     return _INT_PATHS.get(dtype, "reductions")
+
+
+_ATTENTION_PATH: str | None = None  # attention_path(), filled at first use
+
+
+@torch._dynamo.assume_constant_result  # run, not traced (it may build the kernels): a constant of the graph
+def attention_path() -> str:
+    """The kernel of a compiled CPU decode step's one-query attention over float K/V: "one-query-avx512"
+    (kernels_cpu.cpp, in its AVX-512 build: the g query heads of a KV head share each load of K and V, 2-5x
+    Inductor's reductions from 640 to 16k slots, docs/speed.md) or "reductions" (attend_one_query's, fused by
+    Inductor)."""
+    global _ATTENTION_PATH
+    if _ATTENTION_PATH is None:
+        isa = kernels_cpu.isa_of(cpu(), native_cpu())
+        ops = kernels_cpu.ops(isa) if isa == "avx512-vnni" else None
+        _ATTENTION_PATH = "one-query-avx512" if ops is not None and hasattr(ops, "one_query_attention") else "reductions"
+    return _ATTENTION_PATH
 
 
 def int_ops() -> object:
@@ -448,6 +465,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
         return attend_one_query(q, k, v, mask, want_probs)
     if pool:
         return attend_pool(q, k, v, mask, want_probs)
+    k, v = (x.to(q.dtype) if x.dtype == torch.float16 else x for x in (k, v))  # float16 K/V: read exactly in fp32
     n_kv = k.shape[1]
     if not want_probs and k.dtype == q.dtype:
         if mask is None:
@@ -530,6 +548,9 @@ class Codes(NamedTuple):
         return ((c & 15).to(dtype), (c >> 4).to(dtype)) if self.packed else (c.to(dtype),)
 
 
+ONE_QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # K/V the one-query kernel reads in place
+
+
 def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tensor,
                      want_probs: bool = False) -> tuple[Tensor, Tensor | None]:
     """A decode step's attention (one query per row) as multiply-and-sum reductions, inside a compiled CPU graph.
@@ -542,14 +563,23 @@ def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tens
     halves, kv.storage's channel_blocks), each block reduced apart, so no reduction reads a concatenation. A block
     given as Codes is read as its codes, its scale and zero point applied per token outside the reductions:
     q . (c s + z) = s (q . c) + z sum(q), and sum_t p (c s + z) = sum_t (p s) c + sum_t p z, so each code is
-    converted and multiplied once per query head instead of dequantized once per query head."""
+    converted and multiplied once per query head instead of dequantized once per query head.
+
+    Float K/V given whole take kernels_cpu.cpp's one-query kernel where attention_path() has it: the same
+    roundings, each key and value read once for the g query heads of its KV head, and masked slots not read."""
     B, H, _, D = q.shape
+    n_kv = mask.shape[1]
+    if (isinstance(k, Tensor) and isinstance(v, Tensor) and q.dtype == torch.float32 and k.dtype in ONE_QUERY_DTYPES and v.dtype == k.dtype
+            and D in (64, 128) and H // n_kv <= 8 and attention_path() == "one-query-avx512"):
+        out, probs = int_ops().one_query_attention(q.reshape(B, n_kv, H // n_kv, D), k, v,
+                                                   mask.reshape(B, n_kv, k.shape[2]), 1.0 / math.sqrt(D))
+        return out.view(B, H, 1, D), probs.unsqueeze(3) if want_probs else None
     k_blocks, v_blocks = (x if isinstance(x, tuple) and not isinstance(x, Codes) else (x,) for x in (k, v))
     widths = [b.width if isinstance(b, Codes) else b.shape[-1] for b in k_blocks]
-    n_kv = mask.shape[1]
     # bfloat16 K/V under float queries: round where attend's bfloat16 matmuls do (the query, the scores, the
     # probabilities, the output), so a (K + 1)-query verification agrees with the one-query steps it replaces
-    low = k_blocks[0].dtype if not isinstance(k_blocks[0], Codes) and k_blocks[0].dtype != q.dtype else None
+    bf16_kv = not isinstance(k_blocks[0], Codes) and k_blocks[0].dtype == torch.bfloat16 and q.dtype != torch.bfloat16
+    low = torch.bfloat16 if bf16_kv else None
     rounded = (lambda x: x.to(low).to(x.dtype)) if low else (lambda x: x)
     q_blocks = rounded(q).view(B, n_kv, H // n_kv, 1, D).split(widths, dim=-1)
     scores = reduce(torch.add, [block_scores(qb, kb) for qb, kb in zip(q_blocks, k_blocks)])

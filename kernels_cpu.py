@@ -52,8 +52,8 @@ _meta: list[torch.library.Library] = []
 
 
 def ops(isa: str) -> Any:
-    """torch.ops.kvfast_<isa> with int8_linear, int4_linear, int4_dequantize and quantize_activations, built on
-    first use; None (after one warning) where it cannot be built."""
+    """torch.ops.kvfast_<isa> with int8_linear, int4_linear, int4_dequantize and quantize_activations (and, in the
+    AVX-512 build, one_query_attention), built on first use; None (after one warning) where it cannot be built."""
     if isa not in _loaded:
         _loaded[isa] = _build(isa)
     return _loaded[isa]
@@ -82,5 +82,8 @@ def _build(isa: str) -> Any:
                                                  x.new_empty(*x.shape[:-1], x.shape[-1] // 32)), "Meta")
     meta.impl("int4_dequantize", lambda packed, scales, offsets, dtype: packed.new_empty(
         packed.shape[0], 2 * packed.shape[1], dtype=dtype), "Meta")
+    if hasattr(getattr(torch.ops, ns), "one_query_attention"):  # AVX-512 builds only
+        meta.impl("one_query_attention", lambda q, k, v, mask, scale: (
+            q.new_empty(q.shape), q.new_empty(*q.shape[:3], k.shape[2])), "Meta")
     _meta.append(meta)
     return getattr(torch.ops, ns)

@@ -47,6 +47,7 @@ class PosShift:
     def keys_values(self, attention: bool = False) -> tuple[Tensor, Tensor]:
         """stored_kv with the keys rotated to their ranks."""
         k, v = self.stored_kv(attention)
+        k = k if k.dtype == torch.bfloat16 else k.to(self.dtype)  # float16 keys rotate in fp32, as stored_kv's
         rank = self.slot_rank.clamp(min=0)  # empty slots (-1) are masked anyway
         return apply_rope(k, self.rank_cos[rank], self.rank_sin[rank]), v
 

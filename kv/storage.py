@@ -136,9 +136,10 @@ class SlotStorage(AttentionCache):
 
     def stored_kv(self, attention: bool = False) -> tuple[Tensor, Tensor]:
         """Every slot's K and V [*slots, D] as stored, in the compute dtype (dequantized if kv_bits). attention:
-        bfloat16 K/V stay bfloat16, for kernels.attend to attend in bfloat16."""
+        16-bit float K/V stay as stored, for kernels.attend: bfloat16 to attend in bfloat16, float16 to be read in
+        place (a compiled step's one-query kernel; elsewhere attend converts them, exactly)."""
         if not self.kv_bits:
-            keep = attention and self.kv_dtype == torch.bfloat16
+            keep = attention and self.kv_dtype in (torch.bfloat16, torch.float16)
             return (self.k, self.v) if keep else (self.k.to(self.dtype), self.v.to(self.dtype))
         return (dequantize_tokens(self.k, self.k_scale, self.k_zero, self.kv_bits, self.dtype),
                 dequantize_tokens(self.v, self.v_scale, self.v_zero, self.kv_bits, self.dtype))

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cache_testing import greedy_with_logits, single_thread_fixture
-from numerics import assert_numerically_close, tolerance
+from cache_testing import tiny_model as tiny_model_wide
+from numerics import assert_numerically_close, model_depth, tolerance
 from test_generate import TINY, tiny_model
 from torch._dynamo.utils import counters
 
@@ -22,6 +23,7 @@ import kernels
 import kernels_cpu
 import quantize
 from kernels import dequantize_int4
+from kv.quant import kv_format
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
 QK = 32
@@ -209,3 +211,81 @@ def test_integer_products_everywhere_and_nowhere():
         assert_numerically_close(layer(x), F.linear(x, dense), depth=192)  # eager, 30 rows: F.linear
     with pytest.raises(kernels.KVFastError, match="everywhere"):
         kernels.integer_products("sometimes")
+
+
+# ---- one-query attention (kernels_cpu.cpp, AVX-512) -------------------------------------------------------------
+def one_query_kernel():
+    ops = built("avx512-vnni")
+    if not hasattr(ops, "one_query_attention"):
+        pytest.skip("no one-query attention kernel in this build")
+    return ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, n_kv, g, D, T", [(1, 3, 3, 64, 1030), (2, 2, 7, 64, 37), (1, 1, 1, 128, 130),
+                                              (1, 2, 8, 128, 5)])
+def test_one_query_attention_equals_the_reductions(dtype, B, n_kv, g, D, T, monkeypatch):
+    """The kernel against attend_one_query's reductions on the same K/V: the output and the probabilities up to
+    the order of the fp32 sums over the keys and channels; bfloat16 K/V round the query, the scores, the
+    probabilities and the output to bfloat16 at the same points (each may pick the adjacent bfloat16 where the
+    sums differ in order). Several key blocks of 128, partly masked, and blocks whose every slot is masked."""
+    ops = one_query_kernel()
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(B, n_kv * g, 1, D, generator=gen)
+    k, v = (torch.randn(B, n_kv, T, D, generator=gen).to(dtype) for _ in "kv")
+    mask = torch.rand(B, n_kv, 1, T, generator=gen) < 0.7
+    mask[..., 128:256] = False
+    mask[..., 0] = True
+    out, probs = ops.one_query_attention(q.view(B, n_kv, g, D), k, v, mask.view(B, n_kv, T), D ** -0.5)
+    monkeypatch.setattr(kernels, "_ATTENTION_PATH", "reductions")
+    ref, ref_probs = kernels.attend_one_query(q, k, v, mask, want_probs=True)
+    bf16 = {"storage": torch.bfloat16, "roundings": 3} if dtype == torch.bfloat16 else {}
+    assert_numerically_close(out.view_as(ref), ref, depth=T + D, **bf16)
+    assert_numerically_close(probs, ref_probs.squeeze(3), depth=T + D, **bf16)
+    assert torch.all(probs[~mask.view(B, n_kv, 1, T).expand_as(probs)] == 0)
+
+
+def test_one_query_attention_never_reads_a_masked_slot():
+    """NaN in every masked slot's K and V (a static buffer past its fill, an evicted slot) leaves the output
+    equal to the output with zeros there: those slots are skipped, not multiplied by a zero probability."""
+    ops = one_query_kernel()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 3, 64, generator=gen), torch.randn(1, 2, 300, 64, generator=gen), torch.randn(1, 2, 300, 64)
+    mask = torch.rand(1, 2, 300, generator=gen) < 0.5
+    mask[..., 0] = True
+    poisoned_k, poisoned_v = (x.masked_fill(~mask.unsqueeze(-1), float("nan")) for x in (k, v))
+    clean = ops.one_query_attention(q, k.masked_fill(~mask.unsqueeze(-1), 0), v.masked_fill(~mask.unsqueeze(-1), 0),
+                                    mask, 0.125)
+    poisoned = ops.one_query_attention(q, poisoned_k, poisoned_v, mask, 0.125)
+    assert torch.equal(poisoned[0], clean[0]) and torch.equal(poisoned[1], clean[1])
+
+
+def test_one_query_attention_is_chosen_where_the_avx512_build_has_it(cpu_kind):
+    path = kernels.attention_path()
+    if cpu_kind == "avx2" or not kernels.native_cpu().avx512_vnni:
+        assert path == "reductions"
+    elif kernels_cpu.ops("avx512-vnni") is not None:
+        assert path == "one-query-avx512"
+
+
+@pytest.mark.parametrize("kv_bits", [None, 16])
+def test_compiled_decode_attends_through_the_kernel(kv_bits):
+    """A model whose heads are 64 wide: the compiled step calls the kernel (seen by the profiler), never
+    recompiles, and gives eager's tokens and logits (eager attends through SDPA over the same K/V)."""
+    one_query_kernel()
+    if kernels.attention_path() != "one-query-avx512":
+        pytest.skip("the one-query kernel is not chosen on this CPU kind")
+    model = tiny_model_wide(head_dim=64, n_heads=6, n_kv_heads=2)
+    S, N = 20, 12
+    prompt = torch.randint(0, model.args.vocab_size, (1, S), generator=torch.Generator().manual_seed(3))
+    model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, S, N, **kv_format(kv_bits, "auto")[0]))
+    eager_tokens, eager_logits = greedy_with_logits(model, decode.Decoder(model), prompt, N)
+    decoder = decode.Decoder(model, compile=True)
+    decoder.warm_up(prompt)
+    recompiles = sum(counters["recompiles"].values())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        tokens, logits = greedy_with_logits(model, decoder, prompt, N)
+    assert sum(counters["recompiles"].values()) == recompiles
+    assert any(e.key.endswith("::one_query_attention") for e in prof.key_averages())
+    assert_numerically_close(logits, eager_logits, depth=model_depth(model.args, S + N))
+    assert torch.equal(tokens, eager_tokens)
