@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -191,17 +192,74 @@ def gemm_rows(dtype: torch.dtype) -> int:
 INT_DTYPES = (torch.int8, torch.uint8)  # int8 weights; uint8: int4 codes
 
 
-def int_paths(chip: CPU | None = None) -> dict[torch.dtype, str]:
+def int_paths(chip: CPU | None = None, timed: bool = True) -> dict[torch.dtype, str]:
     """Per quantized weight dtype, the kernel of its one-token products on `chip` (default: cpu()) where the
     integer dot products win: "int-dot-<isa>" (kernels_cpu.cpp: Q8_0 activations times the codes in int32), else
-    absent (Inductor's fused reductions). Chosen by what the CPU has, from measurements on SmolLM2-135M's shapes
-    (docs/speed.md, "Integer dot products"): with AVX-512 VNNI or AVX2 both int8 and int4 codes multiply faster
-    as integers than converted to fp32 inside Inductor's reductions; without AVX2 the plain C++ loops lose."""
+    absent (Inductor's fused reductions). First by what the CPU has: with AVX-512 VNNI or AVX2 (docs/speed.md,
+    "Integer dot products"); without AVX2 the plain C++ loops lose. Then, on the native CPU kind, by what
+    time_int_paths measured on this machine (int8 codes multiply faster as integers on an Intel Xeon, slower on
+    an AMD EPYC); timed=False: by the instruction set alone."""
     chip = chip or cpu()
     isa = kernels_cpu.isa_of(chip, native_cpu())
     if isa == "scalar" or kernels_cpu.ops(isa) is None:
         return {}
-    return {dtype: f"int-dot-{isa}" for dtype in INT_DTYPES}
+    measured = _TIMED if timed and chip.forced is None else {}
+    return {dtype: f"int-dot-{isa}" for dtype in INT_DTYPES if measured.get(dtype, True)}
+
+
+_TIMED: dict[torch.dtype, bool] = {}  # time_int_paths(): per dtype, do the integer products win on this machine
+MIN_TIMED_COLUMNS = 256  # narrower products (the tests' tiny models) say nothing of a real model's: not timed
+
+
+def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
+    """Time one token through `layers` (every int8 / int4 projection of a model, so that the weights stream from
+    memory as in a step: one block's stay in the cache, where on an AMD EPYC the int8 integer products won 85 to
+    150 us and lost 6.3 to 4.3 ms over the whole model) both ways: the integer kernels called as a compiled step
+    calls them, and Inductor's reductions compiled. Once per machine and model: the result is remembered in
+    ~/.cache/kvfast/choices.json under this CPU's name and flags, the thread count, torch's version, the kernels'
+    source and the shapes, and int_paths() follows it. Not under a forced CPU kind (KVFAST_CPU), and not for
+    products narrower than MIN_TIMED_COLUMNS. Call it before compiling a step (decode.Decoder does): a compiled
+    graph keeps the kernels it was traced with."""
+    global _INT_PATHS
+    chip, base = cpu(), int_paths(timed=False)
+    layers = [m for m in layers if m.weight.dtype in base and columns(m) >= MIN_TIMED_COLUMNS]
+    if chip.forced is not None or not layers:
+        return {}
+    by_dtype = {str(d).removeprefix("torch."): [m for m in layers if m.weight.dtype == d]
+                for d in INT_DTYPES if any(m.weight.dtype == d for m in layers)}
+    shapes = Counter(f"{n}{tuple(m.weight.shape)}" for n, ms in by_dtype.items() for m in ms)
+    key = "|".join([chip.model, ",".join(chip.flags()), f"{torch.get_num_threads()} threads", torch.__version__,
+                    kernels_cpu.build_name(kernels_cpu.isa_of(chip, native_cpu()))[0],
+                    ";".join(f"{shape} x{n}" for shape, n in sorted(shapes.items()))])
+
+    def faster(name: str) -> tuple[bool, float, float]:
+        global _INT_PATHS, _integer_everywhere
+        mods = by_dtype[name]
+        xs = [torch.randn(1, 1, columns(m)) for m in mods]
+        with torch.no_grad():
+            _INT_PATHS, _integer_everywhere = base, True  # eager calls of the op a compiled step calls
+            try:
+                t_int = kernels_cpu.time_calls(lambda: [m(x) for m, x in zip(mods, xs)])
+            finally:
+                _INT_PATHS, _integer_everywhere = None, False
+            _INT_PATHS = {}  # traced now: the reductions
+            try:
+                step = torch.compile(lambda *a: [m(x) for m, x in zip(mods, a)], fullgraph=True, dynamic=False)
+                step(*xs)
+            finally:
+                _INT_PATHS = None
+            t_red = kernels_cpu.time_calls(lambda: step(*xs))
+        return t_int <= t_red, t_int, t_red
+
+    wins = kernels_cpu.remembered_choice(key, list(by_dtype), faster)
+    _TIMED.update({getattr(torch, name): won for name, won in wins.items()})
+    _INT_PATHS = None
+    return dict(_TIMED)
+
+
+def columns(layer: torch.nn.Module) -> int:
+    """The input width of an int8 / int4 projection (int4 codes hold two columns a byte)."""
+    return layer.weight.shape[1] * (2 if layer.weight.dtype == torch.uint8 else 1)
 
 
 _INT_PATHS: dict[torch.dtype, str] | None = None  # int_paths(), filled at first use

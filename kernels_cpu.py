@@ -11,8 +11,13 @@ kernels are unavailable (one warning) and kernels.py keeps its Inductor reductio
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import statistics
+import sys
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +92,42 @@ def _build(isa: str) -> Any:
             q.new_empty(q.shape), q.new_empty(*q.shape[:3], k.shape[2])), "Meta")
     _meta.append(meta)
     return getattr(torch.ops, ns)
+
+
+# ---- which products take the integer kernels on this machine: timed once, remembered ---------------------------
+def time_calls(fn: Callable[[], object], calls: int = 10, rounds: int = 7) -> float:
+    """Seconds per call of fn, the median over `rounds` of `calls` calls each, after two untimed ones."""
+    fn(), fn()
+    per_round = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_round.append((time.perf_counter() - t0) / calls)
+    return statistics.median(per_round)
+
+
+def remembered_choice(key: str, names: list[str], faster: Callable[[str], tuple[bool, float, float]]) -> dict[str, bool]:
+    """For each name, whether the integer kernels win, from ~/.cache/kvfast/choices.json under `key`, else timed
+    now by faster(name) -> (integer wins, integer seconds, other seconds) and written there for the next process."""
+    path = cache_root() / "choices.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: time again
+        saved = {}
+    entry = saved.get(key, {})
+    if not all(name in entry for name in names):
+        print(f"kvfast: timing the integer kernels against the reductions for {', '.join(names)} weights on this "
+              f"machine (once; remembered in {path})", file=sys.stderr, flush=True)
+        for name in names:
+            wins, t_int, t_other = faster(name)
+            entry[name] = {"integer": wins, "integer_us": round(t_int * 1e6, 1), "other_us": round(t_other * 1e6, 1)}
+        saved[key] = entry
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(saved, indent=1))
+            tmp.replace(path)
+        except OSError:  # a read-only cache: the choice holds for this process only
+            pass
+    return {name: bool(entry[name]["integer"]) for name in names}

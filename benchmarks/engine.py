@@ -85,9 +85,9 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
             for bits in (None, *args.kv_bits):
                 m = models[mode] if bits is None else copy.deepcopy(models[mode])
                 kv, name = kv_format(bits, args.kv_float)
+                run = ours_run(m, prompt, args.new_tokens, True, kv)  # its Decoder times the integer kernels
                 path = kernels.linear_path(WEIGHT_DTYPES[mode.split("-")[0]], 1)  # the kernel each projection took
-                runs[f"kvfast compiled ({mode} {path}" + (f", {name} K/V)" if bits else ")")] = ours_run(
-                    m, prompt, args.new_tokens, True, kv)
+                runs[f"kvfast compiled ({mode} {path}" + (f", {name} K/V)" if bits else ")")] = run
         if "llama.cpp" in args.peers:
             from scripts.peer_llamacpp import time_llamacpp
             from scripts.peer_llamacpp_formats import requantized

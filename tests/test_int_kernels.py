@@ -289,3 +289,63 @@ def test_compiled_decode_attends_through_the_kernel(kv_bits):
     assert any(e.key.endswith("::one_query_attention") for e in prof.key_averages())
     assert_numerically_close(logits, eager_logits, depth=model_depth(model.args, S + N))
     assert torch.equal(tokens, eager_tokens)
+
+
+# ---- the choice by timing -------------------------------------------------------------------------------------
+def int8_layers(n: int, width: int = 256) -> list:
+    from model import Int8Linear
+
+    layers = []
+    for _ in range(n):
+        layer = Int8Linear(width, 64)
+        layer.weight, layer.scales = quantize.quantize_int8(torch.randn(64, width))
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("integer_wins", [True, False])
+def test_timed_choice_follows_the_faster_and_is_remembered(integer_wins, monkeypatch, tmp_path):
+    """time_int_paths takes the faster of the two for each dtype, remembers it per machine (a second process
+    reads it instead of timing), and times again where the key differs (the shapes here)."""
+    built("avx512-vnni" if kernels.native_cpu().avx512_vnni else "avx2")
+    if not kernels.linear_path(torch.int8, 1).startswith("int-dot"):
+        pytest.skip("no integer kernels on this CPU")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_TIMED", {})
+    timings = iter([1.0, 2.0] if integer_wins else [2.0, 1.0])
+    monkeypatch.setattr(kernels_cpu, "time_calls", lambda fn, *a, **k: (fn(), next(timings))[1])
+    assert kernels.time_int_paths(int8_layers(2)) == {torch.int8: integer_wins}
+    assert kernels.linear_path(torch.int8, 1).startswith("int-dot") == integer_wins
+    saved = (tmp_path / "kvfast" / "choices.json").read_text()
+    assert '"integer": ' + ("true" if integer_wins else "false") in saved
+
+    monkeypatch.setattr(kernels, "_TIMED", {})  # another process: read, not timed
+    monkeypatch.setattr(kernels_cpu, "time_calls", lambda *a, **k: pytest.fail("timed again"))
+    assert kernels.time_int_paths(int8_layers(2)) == {torch.int8: integer_wins}
+    with pytest.raises(pytest.fail.Exception, match="timed again"):
+        kernels.time_int_paths(int8_layers(3))
+
+
+def test_timed_choice_skips_forced_kinds_and_narrow_products(monkeypatch, tmp_path, cpu_kind):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels_cpu, "time_calls", lambda *a, **k: pytest.fail("timed"))
+    assert kernels.time_int_paths(int8_layers(1)) == {}  # a forced kind keeps the choice by instruction set
+    with kernels.force_cpu("native"):
+        assert kernels.time_int_paths(int8_layers(1, width=64)) == {}
+    assert not (tmp_path / "kvfast" / "choices.json").exists()
+
+
+def test_timed_choice_times_both_kernels(monkeypatch, tmp_path):
+    """Unmocked: both sides run (the reductions compiled), and the file holds their timings."""
+    built("avx512-vnni" if kernels.native_cpu().avx512_vnni else "avx2")
+    if not kernels.linear_path(torch.int8, 1).startswith("int-dot"):
+        pytest.skip("no integer kernels on this CPU")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_TIMED", {})
+    chosen = kernels.time_int_paths(int8_layers(2))
+    assert set(chosen) == {torch.int8}
+    import json
+
+    (entry,) = json.loads((tmp_path / "kvfast" / "choices.json").read_text()).values()
+    assert entry["int8"]["integer_us"] > 0 and entry["int8"]["other_us"] > 0
+    assert entry["int8"]["integer"] == (entry["int8"]["integer_us"] <= entry["int8"]["other_us"])
