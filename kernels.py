@@ -208,6 +208,7 @@ def int_paths(chip: CPU | None = None, timed: bool = True) -> dict[torch.dtype, 
 
 
 _TIMED: dict[torch.dtype, bool] = {}  # time_int_paths(): per dtype, do the integer products win on this machine
+WEIGHT_NAMES = {torch.int8: "int8", torch.uint8: "int4"}  # the weight formats of the codes' dtypes
 MIN_TIMED_COLUMNS = 256  # narrower products (the tests' tiny models) say nothing of a real model's: not timed
 
 
@@ -225,7 +226,7 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
     layers = [m for m in layers if m.weight.dtype in base and columns(m) >= MIN_TIMED_COLUMNS]
     if chip.forced is not None or not layers:
         return {}
-    by_dtype = {str(d).removeprefix("torch."): [m for m in layers if m.weight.dtype == d]
+    by_dtype = {WEIGHT_NAMES[d]: [m for m in layers if m.weight.dtype == d]
                 for d in INT_DTYPES if any(m.weight.dtype == d for m in layers)}
     shapes = Counter(f"{n}{tuple(m.weight.shape)}" for n, ms in by_dtype.items() for m in ms)
     key = "|".join([chip.model, ",".join(chip.flags()), f"{torch.get_num_threads()} threads", torch.__version__,
@@ -252,7 +253,7 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
         return t_int <= t_red, t_int, t_red
 
     wins = kernels_cpu.remembered_choice(key, list(by_dtype), faster)
-    _TIMED.update({getattr(torch, name): won for name, won in wins.items()})
+    _TIMED.update({d: wins[name] for d, name in WEIGHT_NAMES.items() if name in wins})
     _INT_PATHS = None
     return dict(_TIMED)
 
