@@ -104,11 +104,12 @@ def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
 
 # ---- our engine's runs, alternating with other engines' ---------------------------------------------------------
 def ours_run(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile: bool,
-             kv: dict | None = None) -> Callable[[], dict]:
+             kv: dict | None = None, prefill_dtype: torch.dtype | None = None) -> Callable[[], dict]:
     """One timed greedy run of our engine with a full cache (the first call compiles): its prefill seconds,
-    decode tok/s and tokens. kv: kv_format's keywords."""
+    decode tok/s and tokens. kv: kv_format's keywords; prefill_dtype: the prefill's products (None: the model's)."""
     model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, prompt.shape[1], new_tokens, **(kv or {})))
-    decoder = Decoder(model, compile=compile, scope="step")  # the tables' compiled rows: whole-step graphs
+    # the tables' compiled rows: whole-step graphs
+    decoder = Decoder(model, compile=compile, scope="step", prefill_dtype=prefill_dtype)
 
     def run() -> dict:
         for c in model.caches:

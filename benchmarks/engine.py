@@ -85,7 +85,8 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
             for bits in (None, *args.kv_bits):
                 m = models[mode] if bits is None else copy.deepcopy(models[mode])
                 kv, name = kv_format(bits, args.kv_float)
-                run = ours_run(m, prompt, args.new_tokens, True, kv)  # its Decoder times the integer kernels
+                run = ours_run(m, prompt, args.new_tokens, True, kv,  # its Decoder times the integer kernels
+                               getattr(torch, args.prefill_dtype))
                 path = kernels.linear_path(WEIGHT_DTYPES[mode.split("-")[0]], 1)  # the kernel each projection took
                 runs[f"kvfast compiled ({mode} {path}" + (f", {name} K/V)" if bits else ")")] = run
         if "llama.cpp" in args.peers:
@@ -116,7 +117,8 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
                 and "K/V" not in name), None)
     caption = (f"prompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
                f"greedy, median of {args.repeats} (the engines' runs alternating); compiled = one graph per step "
-               f"(--compile-scope step), its attention over float K/V: {kernels.attention_path()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s before the table, "
+               f"(--compile-scope step), its attention over float K/V: {kernels.attention_path()}, its prefill's "
+               f"products in {args.prefill_dtype}; copy bandwidth {bandwidth / 1e9:.1f} GB/s before the table, "
                f"{bandwidths(rows, 'copy_bw_GBs')} GB/s at the start of each round; read bandwidth "
                f"{bandwidths(rows, 'read_bw_GBs')} GB/s")
     if peer:
@@ -147,5 +149,7 @@ BENCH = Bench(__doc__, bench_engine, {
     "llamacpp_formats": Flag(["Q8_0", "Q4_0", "Q4_1"], "llama.cpp's weight formats, a row each: the default "
                              "GGUF (Q4_1) re-quantized once with the gguf package (scripts/peer_llamacpp_formats.py)",
                              {"nargs": "+", "choices": ["Q8_0", "Q4_0", "Q4_1"]}),
+    "prefill_dtype": Flag("float32", "precision of the compiled rows' prefill products (generate.py "
+                          "--prefill-dtype; the eager row keeps fp32)", {"choices": ["float32", "bfloat16"]}),
     "skip_hf": Flag(False, "leave out the HF transformers row", {"action": "store_true"}),
 })
