@@ -237,12 +237,13 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
         global _INT_PATHS, _integer_everywhere
         mods = by_dtype[name]
         xs = [torch.randn(1, 1, columns(m)) for m in mods]
+        everywhere = _integer_everywhere
         with torch.no_grad():
             _INT_PATHS, _integer_everywhere = base, True  # eager calls of the op a compiled step calls
             try:
                 t_int = kernels_cpu.time_calls(lambda: [m(x) for m, x in zip(mods, xs)])
             finally:
-                _INT_PATHS, _integer_everywhere = None, False
+                _INT_PATHS, _integer_everywhere = None, everywhere
             _INT_PATHS = {}  # traced now: the reductions
             try:
                 step = torch.compile(lambda *a: [m(x) for m, x in zip(mods, a)], fullgraph=True, dynamic=False)
