@@ -60,7 +60,7 @@ def configure_torch(compile: bool, dynamic_capacity: bool = False) -> None:
     if compile:
         trust_cpu_vector_flags()
         # Inductor otherwise keeps a value cast down and back up in fp32 inside a fused kernel, and bfloat16 K/V's
-        # one-query attention (kernels.attend_one_query) would skip the roundings that make it agree with the
+        # one-query attention (attention.attend_one_query) would skip the roundings that make it agree with the
         # bfloat16 matmuls of eager steps and of a speculative verification
         inductor_config.emulate_precision_casts = True
         # a float a module attribute held with another value in an earlier compile (an eps, a policy's parameter)

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import KVFastError, attend, cpu, dequantize_int4, int4_linear, linear, prompt_attention
+from attention import attend, prompt_attention
+from kernels import KVFastError, cpu, dequantize_int4, int4_linear, linear
 from kv.contract import AttentionCache
 
 
@@ -247,7 +248,7 @@ class TransformerBlock(nn.Module):
                 dtype: torch.dtype | None = None) -> Tensor:
         """The block over a whole prompt x [B, S, dim] at positions 0..S-1 (cos, sin [S, D]), in query blocks of
         `chunk` rows (None: one block, as forward()). The layer's q, k, v are projected block by block; each block
-        attends causally to the keys up to its own (kernels.prompt_attention) and runs the output projection and
+        attends causally to the keys up to its own (attention.prompt_attention) and runs the output projection and
         the FFN; then the cache gets the whole prompt at once, so its prompt compression and statistics see all
         of it (kv.prompt computes them in query blocks). Memory: x and the layer's q, k, v
         grow with S; the blocks' activations ([chunk, intermediate]) and attention do not, and nothing is

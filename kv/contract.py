@@ -1,4 +1,4 @@
-"""The cache contract: everything model.py, kernels.attend and the decode loop may ask of a layer's cache.
+"""The cache contract: everything model.py, attention.attend and the decode loop may ask of a layer's cache.
 
 Every cache derives from AttentionCache (kv.slots.KVCache and the pool, kv.pool; eval's wrappers; the
 stand-ins that record a prefill), so the model reads these members directly and never probes a cache.
@@ -38,7 +38,7 @@ class AttentionCache(nn.Module):
     needs_attention: bool = False
     """True: attention computes explicit probabilities and observe() receives them (else fused kernels)."""
     fuse_one_query: bool = True
-    """May a compiled CPU decode step attend through kernels.attend_one_query (4-bit K/V may say no)?"""
+    """May a compiled CPU decode step attend through attention.attend_one_query (4-bit K/V may say no)?"""
     channel_blocks: Callable[[], tuple[tuple, tuple]] | None = None
     """What attend_one_query reads instead of update()'s K/V (quantized codes in place); None: those."""
     pos_shift: bool = False

@@ -33,7 +33,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from kernels import attention_lse, cpu, dequantize_int4
+from attention import attention_lse
+from kernels import cpu, dequantize_int4
 from kv.contract import AttentionCache
 from kv.params import Param, boolean, choice, whole
 from kv.pool import AdaKVCache

@@ -11,7 +11,7 @@ Decode (compiled, static shapes): the new token brings H_kv keys, one per KV hea
 the layer with the lowest `slot_scores` across heads (empty slots first; sinks and the recent window, per
 head, never), chosen greedily one at a time so that no head falls below its floor `head_floor`: head h may
 give up at most (slots it owns) + 1 - floor slots in a step. Ownership moves with the slot, so budgets adapt
-while decoding and nothing is reallocated. Attention (kernels.attend_pool) reads the pool once under the mask
+while decoding and nothing is reallocated. Attention (attention.attend_pool) reads the pool once under the mask
 slot_head == h. Prefill: when the prompt exceeds B tokens per head the policy's `select_pairs` picks exactly P
 (KV head, token) pairs across heads; they are written head by head in position order.
 

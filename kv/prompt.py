@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import attention_lse
+from attention import attention_lse
 from kv.params import GQA_REDUCE, Configurable, Param, boolean, choice, odd, whole
 from kv.slots import INF, counter_hash, reduce_groups, row_head_salt
 from model import ModelArgs

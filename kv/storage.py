@@ -8,7 +8,7 @@ Formats. Plain: k and v in kv_dtype (the compute dtype, or float16 / bfloat16 wi
 compute dtype. With kv_bits (8 or 4), k and v hold uint8 codes ([*slots, D], or packed [*slots, D/2]) beside
 fp32 k_scale / k_zero / v_scale / v_zero [*slots, D/group]: write_slots quantizes only the tokens it writes,
 stored_kv dequantizes for attention (kv.quant), and a compiled CPU decode step reads the codes in place
-(channel_blocks: kernels.Codes). Policies see full-precision K at insert and prefill.
+(channel_blocks: attention.Codes). Policies see full-precision K at insert and prefill.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from kernels import Codes
+from attention import Codes
 from kv.contract import AttentionCache
 from kv.quant import dequantize_halves, dequantize_tokens, halves_share_groups, quantize_tokens, storage_width
 
@@ -99,15 +99,15 @@ class SlotStorage(AttentionCache):
     # ---- reading --------------------------------------------------------------------------------------------
     @property
     def fuse_one_query(self) -> bool:
-        """May a compiled CPU decode step attend through kernels.attend_one_query? Its fused reductions dequantize
+        """May a compiled CPU decode step attend through attention.attend_one_query? Its fused reductions dequantize
         8-bit codes in place, and 4-bit ones as two halves of channels (channel_blocks); where those cannot be
         had, unpacking 4-bit codes into one tensor there costs 1.4x SDPA over the unpacked K/V (docs/speed.md)."""
         return self.kv_bits != 4 or self.channel_blocks is not None
 
     @property
     def channel_blocks(self) -> Callable[[], tuple[tuple, tuple]] | None:
-        """What kernels.attend_one_query reads instead of keys_values() (None: keys_values): quantized K/V whose
-        blocks of channels each have one scale group per token as kernels.Codes (8-bit: the whole head; 4-bit: the
+        """What attention.attend_one_query reads instead of keys_values() (None: keys_values): quantized K/V whose
+        blocks of channels each have one scale group per token as attention.Codes (8-bit: the whole head; 4-bit: the
         low and the high nibbles), read without dequantizing; other 4-bit groups that do not straddle the middle
         channel as the two halves, dequantized apart."""
         if not self.kv_bits:
@@ -136,7 +136,7 @@ class SlotStorage(AttentionCache):
 
     def stored_kv(self, attention: bool = False) -> tuple[Tensor, Tensor]:
         """Every slot's K and V [*slots, D] as stored, in the compute dtype (dequantized if kv_bits). attention:
-        16-bit float K/V stay as stored, for kernels.attend: bfloat16 to attend in bfloat16, float16 to be read in
+        16-bit float K/V stay as stored, for attention.attend: bfloat16 to attend in bfloat16, float16 to be read in
         place (a compiled step's one-query kernel; elsewhere attend converts them, exactly)."""
         if not self.kv_bits:
             keep = attention and self.kv_dtype in (torch.bfloat16, torch.float16)

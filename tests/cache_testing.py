@@ -8,9 +8,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from attention import prompt_attention
 from cache import POLICIES, PROMPT_COMPRESSORS, CacheFactory, make_cache_factory
 from decode import Decoder, prefill
-from kernels import prompt_attention
 from kv.pool import PoolCache
 from model import ModelArgs, Transformer
 

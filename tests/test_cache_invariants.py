@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numerics import assert_numerically_close, model_depth
 
+from attention import attend
 from cache import POLICIES, PROMPT_COMPRESSORS, make_cache_factory
 from decode import Decoder, prefill
-from kernels import attend
 from kv.policies import FullCache
 from kv.pool import PoolCache
 

@@ -11,8 +11,8 @@ import torch
 from cache_testing import single_thread_fixture, tiny_args
 
 import kv.prompt as prompt_stats
+from attention import attend
 from cache import PROMPT_COMPRESSORS, make_cache_factory
-from kernels import attend
 from kv.budgets import layer_capacities
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)

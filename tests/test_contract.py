@@ -138,4 +138,4 @@ def test_model_and_kernels_never_probe_a_cache():
     assert probes(REPO / "model.py") == []
     calls = {"Attention.forward", "Transformer.hidden", "Transformer.setup_caches"}
     assert probes(REPO / "model.py", calls) == []  # no rank checks either
-    assert probes(REPO / "kernels.py", {"attend"}) == []  # the layout comes from the cache
+    assert probes(REPO / "attention.py", {"attend"}) == []  # the layout comes from the cache

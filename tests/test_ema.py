@@ -18,9 +18,9 @@ from cache_testing import (
 from test_cache_reference import H_KV, B, D, G, decode_trace, dense_attention, positions, random_qkv
 from torch._dynamo.utils import counters
 
+from attention import attend
 from cache import make_cache_factory
 from decode import Decoder
-from kernels import attend
 from kv.slots import reduce_groups
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)

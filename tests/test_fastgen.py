@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import generate
+from attention import attend
 from cache import make_cache_factory
-from kernels import attend
 from kv import fastgen
 from kv.fastgen import choose_profiles, profile_masks, token_classes, water_fill
 

@@ -19,8 +19,8 @@ from cache_testing import (
 )
 
 import generate
+from attention import attend
 from cache import format_head_class_report, head_class_report, make_cache_factory
-from kernels import attend
 from kv.hybrid import HybridCache, classify_heads, hybrid_budgets
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)

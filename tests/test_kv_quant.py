@@ -8,10 +8,11 @@ from cache_testing import generate_tokens, single_thread_fixture, small_factory,
 from numerics import assert_numerically_close
 from torch._dynamo.utils import counters
 
+import attention
 import cache as kvcache
 import kernels
+from attention import Codes, attend, attend_one_query
 from decode import Decoder
-from kernels import Codes, attend, attend_one_query
 from kv.quant import (
     dequantize_channels,
     dequantize_halves,
@@ -137,13 +138,13 @@ def test_quantized_compiled_step_reads_the_blocks_and_equals_eager(bits, group_s
     model.setup_caches(small_factory("h2o", 2, model.args, 24, 24, kv_bits=bits, kv_group_size=group_size))
     eager = generate_tokens(model, prompt, 24)
     seen = {}
-    original = kernels.attend_one_query
+    original = attention.attend_one_query
 
     def spy(q, k, v, *args, **kwargs):
         seen[type(k[0]) if isinstance(k, tuple) else "whole"] = True  # a write: no guard, replayed per step
         return original(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(kernels, "attend_one_query", spy)
+    monkeypatch.setattr(attention, "attend_one_query", spy)
     compiled = generate_tokens(model, prompt, 24, Decoder(model, compile=True))
     assert seen == {read: True}  # traced through the blocks
     assert torch.equal(compiled, eager)

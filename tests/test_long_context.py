@@ -11,9 +11,9 @@ from cache_testing import single_thread_fixture, small_factory, tiny_model
 from numerics import assert_numerically_close
 
 import generate
+from attention import attention_lse, prompt_attention
 from cache import POLICIES
 from decode import Decoder, prefill
-from kernels import attention_lse, prompt_attention
 from model import KVFastError
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import generate
+from attention import attend, halves_product
 from cache import PROMPT_COMPRESSORS, make_cache_factory
-from kernels import attend, halves_product
 from kv.pool import AdaKVCache, adakv_budgets
 
 _one_thread = pytest.fixture(autouse=True)(single_thread_fixture)
@@ -185,7 +185,7 @@ def test_compiled_equals_eager_over_1000_steps_and_other_prompt_lengths():
 
 @pytest.mark.parametrize("layout", ["uniform", "pool"])
 def test_one_query_attention_compiled_equals_the_matmul_path(layout):
-    """The compiled CPU decode step's fused one-query attention (kernels.attend_one_query / attend_pool_one_query:
+    """The compiled CPU decode step's fused one-query attention (attention.attend_one_query / attend_pool_one_query:
     a pool slot scored only by its owner's query heads) == attend's matmul path: outputs and the probabilities
     a policy observes, with empty slots and a head that owns nothing in one row."""
     gen = torch.Generator().manual_seed(0)

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import generate
+from attention import attend
 from cache import make_cache_factory
 from decode import Decoder
-from kernels import attend
 from kv.quant import dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens, storage_width
 from kv.tiers import tier_report
 from model import KVFastError
