@@ -22,11 +22,11 @@ from torch import Tensor, nn
 from torch._inductor import config as inductor_config
 
 from compilecache import guard_free, trust_cpu_vector_flags
-from kernels import dynamic_rows, time_int_paths
+from kernels import dynamic_rows, tile_weights, time_int_paths
 from kv import kvzip
 from kv.budgets import DYNAMIC_CAPACITY_CONFIG, mark_capacity_dynamic
 from kv.tiers import TierSpec
-from model import Int4Linear, Int8Linear, KVFastError, Transformer
+from model import Int4Linear, Int8Embedding, Int8Linear, KVFastError, Transformer
 
 # glibc's mallopt: a long prompt's blocks allocate tens of MB per product ([2048, 9728] FFN activations), which
 # glibc serves above its 32 MB mmap ceiling with fresh mappings that fault in every page again on first touch;
@@ -330,6 +330,7 @@ class Decoder:
         if compile:
             if device == "cpu":  # before tracing: the step keeps the kernels it is traced with
                 time_int_paths([m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))])
+                tile_weights([m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear, Int8Embedding))])
             self._compile()
         if compile_prefill:
             if kvzip.needs_context_pass(model):

@@ -231,23 +231,29 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
                     ";".join(f"{shape} x{n}" for shape, n in sorted(shapes.items()))])
 
     def faster(name: str) -> tuple[bool, float, float]:
-        global _INT_PATHS, _integer_everywhere
+        global _INT_PATHS
         mods = by_dtype[name]
         xs = [torch.randn(1, 1, columns(m)) for m in mods]
-        everywhere = _integer_everywhere
         with torch.no_grad():
-            _INT_PATHS, _integer_everywhere = base, True  # eager calls of the op a compiled step calls
+            # both compiled, as a step calls them (timed eagerly, the integer side paid ~10 us of Python per call);
+            # two lambdas: two code objects, so neither finds the other's graph in dynamo's cache
+            _INT_PATHS = base
+            tiled = [m for m in mods if tile_weights([m])]  # in the layout it will read
             try:
-                t_int = kernels_cpu.time_calls(lambda: [m(x) for m, x in zip(mods, xs)])
-            finally:
-                _INT_PATHS, _integer_everywhere = None, everywhere
-            _INT_PATHS = {}  # traced now: the reductions
-            try:
-                step = torch.compile(lambda *a: [m(x) for m, x in zip(mods, a)], fullgraph=True, dynamic=False)
-                step(*xs)
+                integer = torch.compile(lambda *a: [m(x) for m, x in zip(mods, a)], fullgraph=True, dynamic=False)
+                integer(*xs)
+                t_int = kernels_cpu.time_calls(lambda: integer(*xs))
             finally:
                 _INT_PATHS = None
-            t_red = kernels_cpu.time_calls(lambda: step(*xs))
+                for m in tiled:
+                    retile(m, False)
+            _INT_PATHS = {}  # traced now: the reductions
+            try:
+                reductions = torch.compile(lambda *a: [m(x) for m, x in zip(mods, a)], fullgraph=True, dynamic=False)
+                reductions(*xs)
+            finally:
+                _INT_PATHS = None
+            t_red = kernels_cpu.time_calls(lambda: reductions(*xs))
         return t_int <= t_red, t_int, t_red
 
     wins = kernels_cpu.remembered_choice(key, list(by_dtype), faster)
@@ -431,9 +437,14 @@ def int8_gemm(x: Tensor, codes: Tensor) -> Tensor:
     return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
-    """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`."""
+def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool = False) -> Tensor:
+    """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`, the codes in rows or, where
+    `tiled`, in kernels_cpu.tile_int8's tiles."""
     path = _path(x, weight.dtype)
+    if tiled:
+        if path == TILED_PATH:
+            return int_ops().int8_linear_tiled(x.float(), weight, scales).to(x.dtype)
+        weight = kernels_cpu.untile_int8(weight)
     if path.startswith("int-dot") and scales is not None:
         return int_ops().int8_linear(x.float(), weight, scales).to(x.dtype)
     if path == "int8-gemv" and scales is not None:
@@ -449,16 +460,20 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
     return y if scales is None else y * scales
 
 
-def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, dtype: torch.dtype | None = None,
+                    tiled: bool = False) -> Tensor:
     """quantize.py's int4 weights -> [out, in] in dtype (default: the scales'): codes uint8 [out, in / 2]
-    (column j in the low nibble, j + in / 2 in the high one), scales and offsets [out, in / group_size]; eager on
-    CPU by kernels_cpu's one-pass kernel where it is built and the groups tile each half of a row."""
+    (column j in the low nibble, j + in / 2 in the high one), scales and offsets [out, in / group_size], or all
+    three in kernels_cpu's tiles where `tiled`; eager on CPU by kernels_cpu's one-pass kernel where it is built
+    and the groups tile each half of a row."""
     dtype = dtype or scales.dtype
     out, n_groups = scales.shape
     half_row, group = packed.shape[1], 2 * packed.shape[1] // n_groups
     ops = None if torch.compiler.is_compiling() or packed.device.type != "cpu" else int_ops()
-    if ops is not None and dtype in (torch.float32, torch.bfloat16) and half_row % group == 0:
-        return ops.int4_dequantize(packed, scales, offsets, dtype)
+    if ops is not None and dtype in (torch.float32, torch.bfloat16) and (tiled or half_row % group == 0):
+        return ops.int4_dequantize(packed, scales, offsets, dtype, tiled)
+    if tiled:
+        packed, scales, offsets = untile_int4(packed, scales, offsets)
     codes = torch.cat([packed & 15, packed >> 4], 1).view(out, n_groups, -1)
     return torch.addcmul(offsets[..., None], codes.to(scales.dtype), scales[..., None]).view(out, -1).to(dtype)
 
@@ -469,14 +484,18 @@ def int4_dot_fits(in_features: int, n_groups: int) -> bool:
     return in_features % 64 == 0 and group * n_groups == in_features and group >= 32 and not group & (group - 1)
 
 
-def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
-    """x @ W.T for int4 weights (dequantize_int4's layout): integer dot products, reductions or F.linear on the
+def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tiled: bool = False) -> Tensor:
+    """x @ W.T for int4 weights (dequantize_int4's layouts): integer dot products, reductions or F.linear on the
     dequantized weight."""
     path = _path(x, packed.dtype)
+    if tiled and path == TILED_PATH:
+        return int_ops().int4_linear_tiled(x.float(), packed, scales, offsets).to(x.dtype)
+    if path == "f-linear":
+        return F.linear(x, dequantize_int4(packed, scales, offsets, x.dtype, tiled))
+    if tiled:
+        packed, scales, offsets = untile_int4(packed, scales, offsets)
     if path.startswith("int-dot") and int4_dot_fits(x.shape[-1], scales.shape[1]):
         return int_ops().int4_linear(x.float(), packed, scales, offsets).to(x.dtype)
-    if path == "f-linear":
-        return F.linear(x, dequantize_int4(packed, scales, offsets, x.dtype))
     # sum_j x_j (q_j s + o) = sum_j x_j q_j s + o * (x's group sum). The nibbles are split with float
     # arithmetic and each half of the row meets a contiguous half of x: both keep Inductor's reduction
     # vectorized (uint8 bit operations and interleaved columns did not: 3-20x slower here). It is fastest
@@ -493,3 +512,43 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor) -> T
         return y + (offsets * row.view(n_groups, -1).sum(-1)).sum(-1)
 
     return per_row(x, row_product)
+
+
+# ---- tiled weights: the AVX-512 integer products' layout (kernels_cpu.tile_int8 / tile_int4) ----------------------
+TILED_PATH = "int-dot-avx512-vnni"  # the path whose build reads tiles (int8_linear_tiled, int4_linear_tiled)
+
+
+def untile_int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return kernels_cpu.untile_int4(packed), kernels_cpu.untile_groups(scales), kernels_cpu.untile_groups(offsets)
+
+
+def tile_weights(layers: list[torch.nn.Module]) -> int:
+    """Rearrange in place, into kernels_cpu's tiles of 16 output rows, the int8 / int4 weights of `layers`
+    (model.Int8Linear / Int4Linear) whose one-token products take TILED_PATH on this machine (int_path, after
+    time_int_paths): the row-major kernel reduces each row across its vector lanes, and for a 135M model's rows
+    that costs more than the loads (its int8 projections: 5.8 ms a token in rows, 3.7-4.0 ms in tiles, an AMD
+    EPYC). Same bytes and shapes; the layers read their weight through their `tiled` flag. Returns how many."""
+    n = 0
+    for layer in layers:
+        groups = layer.offsets.shape[1] if layer.weight.dtype == torch.uint8 else 1
+        if (layer.tiled or int_path(layer.weight.dtype) != TILED_PATH or layer.weight.device.type != "cpu"
+                or not kernels_cpu.tileable(layer.weight.shape[0], columns(layer), groups)):
+            continue
+        retile(layer, True)
+        n += 1
+    return n
+
+
+def retile(layer: torch.nn.Module, tiled: bool) -> None:
+    """An Int8Linear / Int4Linear's codes (and int4 scales and offsets) into tiles, or back into rows."""
+    if layer.tiled == tiled:
+        return
+    if not tiled:
+        for name, t in layer.rows().items():
+            setattr(layer, name, t)
+    elif layer.weight.dtype == torch.uint8:
+        layer.weight = kernels_cpu.tile_int4(layer.weight)
+        layer.scales, layer.offsets = kernels_cpu.tile_groups(layer.scales), kernels_cpu.tile_groups(layer.offsets)
+    else:
+        layer.weight = kernels_cpu.tile_int8(layer.weight)
+    layer.tiled = tiled

@@ -22,6 +22,7 @@
 #include <limits>
 #include <type_traits>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -37,6 +38,7 @@
 namespace {
 
 constexpr int64_t QK = 32;  // activation block (Q8_0)
+constexpr int64_t TR = 16;  // output rows per tile of the tiled layouts (kernels_cpu.py tile_int8 / tile_int4)
 
 // One activation row quantized for the integer products; lane i (4 columns) carries its block's scale.
 struct QRow {
@@ -44,6 +46,7 @@ struct QRow {
   std::vector<float> d_lane;    // [in / 4]: the scale of the block of columns 4i..4i+3
   std::vector<int32_t> bias;    // [in / 4]: -128 * (q[4i] + ... + q[4i+3]) (the int8 codes' +128 shift)
   std::vector<float> group_sum; // [n_groups]: sum of the exact x over each weight group (int4's offsets)
+  std::vector<int32_t> block_bias;  // [in / 32]: the sum of `bias` over each block of 32 columns (tiled int8)
 };
 
 void quantize_row(const float* x, int64_t in, int64_t group, QRow& r) {
@@ -51,6 +54,7 @@ void quantize_row(const float* x, int64_t in, int64_t group, QRow& r) {
   r.d_lane.resize(in / 4);
   r.bias.resize(in / 4);
   r.group_sum.assign(group > 0 ? in / group : 0, 0.f);
+  r.block_bias.resize(in / QK);
   for (int64_t b = 0; b < in; b += QK) {
 #if defined(KVFAST_AVX512)
     const __m512 v0 = _mm512_loadu_ps(x + b), v1 = _mm512_loadu_ps(x + b + 16);
@@ -85,6 +89,9 @@ void quantize_row(const float* x, int64_t in, int64_t group, QRow& r) {
       r.group_sum[b / group] += s;
     }
 #endif
+    int32_t block_bias = 0;
+    for (int64_t l = b / 4; l < (b + QK) / 4; ++l) block_bias += r.bias[l];
+    r.block_bias[b / QK] = block_bias;
   }
 }
 
@@ -162,6 +169,65 @@ inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const
     }
     out[k] = _mm512_reduce_add_ps(acc[k]) + _mm512_reduce_add_ps(o);
   }
+}
+
+// ---- tiled layouts (kernels_cpu.py tile_int8 / tile_int4): 16 output rows side by side -------------------------
+// A row-major product reduces each row across its lanes: for rows as short as a 135M model's (288 bytes of int4
+// codes) the horizontal sums and per-group scale shuffles cost more than the loads. In tiles of 16 rows, lane r
+// of every vector is output row r: four columns of 16 rows are one 64-byte load and one dpbusd against those
+// columns' activations broadcast, the group scales of 16 rows are one load, and the tile's 16 outputs one store.
+
+inline __m512i broadcast4(const int8_t* q) {  // 4 activation codes to every lane
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// int8 tile: [in / 4][16 rows][4 columns] of code + 128 (uint8); 16 outputs before the rows' scales.
+inline __m512 int8_tile_dots(const uint8_t* w, const QRow& r, int64_t in) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < in; b += QK) {
+    const uint8_t* wb = w + b * TR;
+    __m512i s[4] = {_mm512_set1_epi32(r.block_bias[b / QK]), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                    _mm512_setzero_si512()};
+#pragma GCC unroll 8
+    for (int k = 0; k < QK / 4; ++k)
+      s[k % 4] = _mm512_dpbusd_epi32(s[k % 4], _mm512_loadu_si512(wb + 64 * k), broadcast4(r.q.data() + b + 4 * k));
+    const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(r.d_lane[b / 4]), acc);
+  }
+  return acc;
+}
+
+// int4 tile: [in / 8][16 rows][4 bytes], byte i of a row holding column 8c + i in its low nibble and 8c + 4 + i in
+// its high one; scales and offsets [n_groups][16 rows].
+inline __m512 int4_tile_dots(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in,
+                             int64_t group) {
+  // the high nibbles are multiplied in place (16 x code, at most 240 * 127 * 32 in a block: no overflow) and
+  // the low ones' sums scaled by 16 to match, which saves a shift per load; d / 16 undoes it (exact).
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < in / group; ++g) {
+    __m512 gacc = _mm512_setzero_ps();
+    for (int64_t b = g * group; b < (g + 1) * group; b += QK) {
+      const uint8_t* wb = w + b * TR / 2;
+      __m512i lo[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      __m512i hi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const __m512i bytes = _mm512_loadu_si512(wb + 64 * k);
+        lo[k % 2] = _mm512_dpbusd_epi32(lo[k % 2], _mm512_and_si512(bytes, low), broadcast4(r.q.data() + b + 8 * k));
+        hi[k % 2] = _mm512_dpbusd_epi32(hi[k % 2], _mm512_and_si512(bytes, high),
+                                        broadcast4(r.q.data() + b + 8 * k + 4));
+      }
+      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(lo[0], lo[1]), 4),
+                                           _mm512_add_epi32(hi[0], hi[1]));
+      gacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(r.d_lane[b / 4] * 0.0625f), gacc);
+    }
+    acc = _mm512_fmadd_ps(gacc, _mm512_loadu_ps(ws + g * TR), acc);
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(off + g * TR), _mm512_set1_ps(r.group_sum[g]), acc);
+  }
+  return acc;
 }
 
 #elif defined(KVFAST_AVX2)
@@ -333,18 +399,63 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& packed_, const at
   return y;
 }
 
+#if defined(KVFAST_AVX512)
+// The tiles of [out] output rows split between threads; tile(t, r) -> the 16 outputs of tile t for activation row r.
+template <typename Tile>
+at::Tensor over_tiles(const at::Tensor& x, int64_t out, const std::vector<QRow>& q, const Tile& tile) {
+  at::Tensor y = output_like(x, out);
+  float* yp = y.data_ptr<float>();
+  const int64_t rows = static_cast<int64_t>(q.size());
+  at::parallel_for(0, out / TR, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(yp + r * out + t * TR, tile(t, q[r]));
+  });
+  return y;
+}
+
+at::Tensor int8_linear_tiled(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scales_) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && codes_.scalar_type() == at::kChar, "int8_linear_tiled: float x, int8 tiles");
+  const at::Tensor x = x_.contiguous(), codes = codes_.contiguous(), scales = scales_.to(at::kFloat).contiguous();
+  const int64_t in = x.size(-1), out = codes.size(0);
+  TORCH_CHECK(codes.size(1) == in && in % QK == 0 && out % TR == 0,
+              "int8_linear_tiled: in must match and be a multiple of 32, out a multiple of 16");
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>());
+  const float* sp = scales.data_ptr<float>();
+  return over_tiles(x, out, quantize_rows(x, 0), [&](int64_t t, const QRow& r) {
+    return _mm512_mul_ps(int8_tile_dots(wp + t * TR * in, r, in), _mm512_loadu_ps(sp + t * TR));
+  });
+}
+
+at::Tensor int4_linear_tiled(const at::Tensor& x_, const at::Tensor& packed_, const at::Tensor& scales_,
+                             const at::Tensor& offsets_) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && packed_.scalar_type() == at::kByte, "int4_linear_tiled: float x, uint8 tiles");
+  const at::Tensor x = x_.contiguous(), packed = packed_.contiguous();
+  const at::Tensor scales = scales_.to(at::kFloat).contiguous(), offsets = offsets_.to(at::kFloat).contiguous();
+  const int64_t in = x.size(-1), out = packed.size(0), n_groups = scales.size(1), group = in / n_groups;
+  TORCH_CHECK(packed.size(1) * 2 == in && group % QK == 0 && n_groups * group == in && out % TR == 0,
+              "int4_linear_tiled: groups of a multiple of 32 columns, out a multiple of 16");
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  return over_tiles(x, out, quantize_rows(x, group), [&](int64_t t, const QRow& r) {
+    return int4_tile_dots(wp + t * TR * in / 2, sp + t * TR * n_groups, op + t * TR * n_groups, r, in, group);
+  });
+}
+#endif
+
 // int4 codes (int4_linear's layout) -> [out, in] weights in fp32 or bfloat16: code * scale + offset in fp32 (as
 // kernels.dequantize_int4), rounded once, to nearest even, where bfloat16. One pass over the codes: a prompt's
 // dense weight per layer (model.PromptWeight) costs the eager version five passes over fp32 temporaries.
 at::Tensor int4_dequantize(const at::Tensor& packed_, const at::Tensor& scales_, const at::Tensor& offsets_,
-                           at::ScalarType dtype) {
+                           at::ScalarType dtype, bool tiled) {
   TORCH_CHECK(packed_.scalar_type() == at::kByte && (dtype == at::kFloat || dtype == at::kBFloat16),
               "int4_dequantize: uint8 codes to float32 or bfloat16");
   const at::Tensor packed = packed_.contiguous();
   const at::Tensor scales = scales_.to(at::kFloat).contiguous(), offsets = offsets_.to(at::kFloat).contiguous();
   const int64_t out = packed.size(0), half = packed.size(1), in = 2 * half, n_groups = scales.size(1);
   const int64_t group = in / n_groups;
-  TORCH_CHECK(n_groups * group == in && half % group == 0, "int4_dequantize: groups must tile each half of a row");
+  TORCH_CHECK(n_groups * group == in && (tiled ? out % TR == 0 && group % 8 == 0 : half % group == 0),
+              "int4_dequantize: groups must tile each half of a row (or whole tiles of 16 rows)");
   at::Tensor w = at::empty({out, in}, packed.options().dtype(dtype));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -352,11 +463,22 @@ at::Tensor int4_dequantize(const at::Tensor& packed_, const at::Tensor& scales_,
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(in);
     for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* codes = wp + o * half;
+      const int64_t t = o / TR, lane = o % TR;
       for (int64_t g = 0; g < n_groups; ++g) {
-        const float scale = sp[o * n_groups + g], offset = op[o * n_groups + g];
-        const int64_t first = g * group, shift = first < half ? 0 : 4, at = first < half ? first : first - half;
-        for (int64_t j = 0; j < group; ++j) row[first + j] = float((codes[at + j] >> shift) & 15) * scale + offset;
+        const int64_t k = tiled ? (t * n_groups + g) * TR + lane : o * n_groups + g;
+        const float scale = sp[k], offset = op[k];
+        const int64_t first = g * group;
+        if (tiled) {  // byte i of a row's 4 in each 64-byte column block: column 8c + i low, 8c + 4 + i high
+          const uint8_t* rows = wp + t * TR * half + lane * 4;
+          for (int64_t c = first; c < first + group; ++c) {
+            const uint8_t byte = rows[(c / 8) * 64 + c % 4];
+            row[c] = float(c % 8 < 4 ? byte & 15 : byte >> 4) * scale + offset;
+          }
+        } else {
+          const uint8_t* codes = wp + o * half;
+          const int64_t shift = first < half ? 0 : 4, at = first < half ? first : first - half;
+          for (int64_t j = 0; j < group; ++j) row[first + j] = float((codes[at + j] >> shift) & 15) * scale + offset;
+        }
       }
       if (dtype == at::kFloat) {
         std::copy(row.begin(), row.end(), w.data_ptr<float>() + o * in);
@@ -616,8 +738,10 @@ TORCH_LIBRARY(KVFAST_NS, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
-  m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor offsets, ScalarType dtype) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor offsets, ScalarType dtype, bool tiled=False) -> Tensor");
 #if defined(KVFAST_AVX512)
+  m.def("int8_linear_tiled(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("int4_linear_tiled(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
   m.def("one_query_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> (Tensor, Tensor)");
 #endif
 }
@@ -628,6 +752,8 @@ TORCH_LIBRARY_IMPL(KVFAST_NS, CPU, m) {
   m.impl("quantize_activations", &quantize_activations);
   m.impl("int4_dequantize", &int4_dequantize);
 #if defined(KVFAST_AVX512)
+  m.impl("int8_linear_tiled", &int8_linear_tiled);
+  m.impl("int4_linear_tiled", &int4_linear_tiled);
   m.impl("one_query_attention", &one_query_attention);
 #endif
 }

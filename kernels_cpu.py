@@ -85,9 +85,12 @@ def _build(isa: str) -> Any:
     meta.impl("int4_linear", lambda x, packed, scales, offsets: x.new_empty(*x.shape[:-1], packed.shape[0]), "Meta")
     meta.impl("quantize_activations", lambda x: (x.new_empty(x.shape, dtype=torch.int8),
                                                  x.new_empty(*x.shape[:-1], x.shape[-1] // 32)), "Meta")
-    meta.impl("int4_dequantize", lambda packed, scales, offsets, dtype: packed.new_empty(
+    meta.impl("int4_dequantize", lambda packed, scales, offsets, dtype, tiled=False: packed.new_empty(
         packed.shape[0], 2 * packed.shape[1], dtype=dtype), "Meta")
     if hasattr(getattr(torch.ops, ns), "one_query_attention"):  # AVX-512 builds only
+        meta.impl("int8_linear_tiled", lambda x, codes, scales: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
+        meta.impl("int4_linear_tiled", lambda x, packed, scales, offsets: x.new_empty(*x.shape[:-1], packed.shape[0]),
+                  "Meta")
         meta.impl("one_query_attention", lambda q, k, v, mask, scale: (
             q.new_empty(q.shape), q.new_empty(*q.shape[:3], k.shape[2])), "Meta")
     _meta.append(meta)
@@ -131,3 +134,63 @@ def remembered_choice(key: str, names: list[str], faster: Callable[[str], tuple[
         except OSError:  # a read-only cache: the choice holds for this process only
             pass
     return {name: bool(entry[name]["integer"]) for name in names}
+
+
+# ---- the tiled layouts of the AVX-512 products (kernels_cpu.cpp int8_linear_tiled / int4_linear_tiled) -----------
+# Same shapes and bytes as quantize.py's row-major weights, rearranged in tiles of TILE_ROWS output rows so that
+# each vector lane is one output row. Plain tensor ops: they run once per layer when a model is tiled, and in a
+# compiled graph where a tiled layer meets a kernel that reads rows (its views fuse into the reduction).
+TILE_ROWS = 16
+
+
+def tileable(out_features: int, in_features: int, n_groups: int = 1) -> bool:
+    """Can this int8 / int4 projection be tiled (whole tiles; int4 groups of a multiple of 32 columns)."""
+    group = in_features // n_groups
+    return out_features % TILE_ROWS == 0 and in_features % 32 == 0 and group % 32 == 0 and group * n_groups == in_features
+
+
+def tile_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [out, in] -> [out / 16][in / 4][16][4] of code + 128, as int8 bits of the same shape."""
+    out, n = codes.shape
+    tiles = codes.view(out // TILE_ROWS, TILE_ROWS, n // 4, 4).transpose(1, 2).contiguous()
+    return (tiles.view(torch.uint8) ^ 0x80).view(torch.int8).view(out, n)
+
+
+def untile_int8(tiled: torch.Tensor) -> torch.Tensor:
+    out, n = tiled.shape
+    tiles = (tiled.view(torch.uint8) ^ 0x80).view(torch.int8).view(out // TILE_ROWS, n // 4, TILE_ROWS, 4)
+    return tiles.transpose(1, 2).reshape(out, n)
+
+
+def tiled_int8_rows(tiled: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows `idx` of tiled int8 codes, as rows ([*idx.shape, in]): an embedding lookup in a tiled head."""
+    out, n = tiled.shape
+    tiles = tiled.view(torch.uint8).view(out // TILE_ROWS, n // 4, TILE_ROWS, 4)
+    return (tiles[idx // TILE_ROWS, :, idx % TILE_ROWS] ^ 0x80).view(torch.int8).view(*idx.shape, n)
+
+
+def tile_groups(per_group: torch.Tensor) -> torch.Tensor:
+    """int4 scales or offsets [out, n_groups] -> [out / 16][n_groups][16], same shape."""
+    out, n_groups = per_group.shape
+    return per_group.view(out // TILE_ROWS, TILE_ROWS, n_groups).transpose(1, 2).contiguous().view(out, n_groups)
+
+
+def untile_groups(tiled: torch.Tensor) -> torch.Tensor:
+    out, n_groups = tiled.shape
+    return tiled.view(out // TILE_ROWS, n_groups, TILE_ROWS).transpose(1, 2).reshape(out, n_groups)
+
+
+def tile_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int4 codes [out, in / 2] (column j low, j + in / 2 high) -> [out / 16][in / 8][16][4] bytes, byte i of a
+    row holding column 8c + i low and 8c + 4 + i high."""
+    out, half = packed.shape
+    codes = torch.cat([packed & 15, packed >> 4], 1).view(out // TILE_ROWS, TILE_ROWS, half // 4, 2, 4)
+    tiles = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)
+    return tiles.transpose(1, 2).contiguous().view(out, half)
+
+
+def untile_int4(tiled: torch.Tensor) -> torch.Tensor:
+    out, half = tiled.shape
+    tiles = tiled.view(out // TILE_ROWS, half // 4, TILE_ROWS, 4).transpose(1, 2)  # [T, 16, in / 8, 4]
+    codes = torch.stack([tiles & 15, tiles >> 4], 3).reshape(out, 2 * half)  # columns in order
+    return codes[:, :half] | (codes[:, half:] << 4)

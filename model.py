@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attention import attend, prompt_attention
-from kernels import KVFastError, cpu, dequantize_int4, int4_linear, linear
+from kernels import KVFastError, cpu, dequantize_int4, int4_linear, linear, untile_int4
+from kernels_cpu import tiled_int8_rows, untile_int8
 from kv.contract import AttentionCache
 
 
@@ -334,7 +335,7 @@ class Transformer(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         head = self.tok_embeddings if self.output is None else self.output
-        return linear(h, head.weight, getattr(head, "scales", None)).float()
+        return linear(h, head.weight, getattr(head, "scales", None), getattr(head, "tiled", False)).float()
 
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads (quantized weights are buffers; rope tables are not)."""
@@ -398,21 +399,45 @@ def check_state_dict(model: nn.Module, state: dict[str, Any], source: Path) -> N
 
 
 # ---- quantized layers (quantize.py writes them; same names, so state_dict keys stay readable) ---------------
-class Int8Linear(PromptWeight, nn.Module):
+class TiledCodes:
+    """int8 / int4 codes that kernels.tile_weights may rearrange, in place of the rows, into the AVX-512 integer
+    products' tiles (`tiled`); state_dict, dense_weight and embedding lookups still see quantize.py's rows."""
+
+    tiled = False
+
+    def rows(self) -> dict[str, Tensor]:
+        """The buffers that tiling rearranges, in quantize.py's row layout."""
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.tiled:
+            destination.update({prefix + name: t for name, t in self.rows().items()})
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        if prefix + "weight" in state_dict:  # rows were copied over the tiles
+            self.tiled = False
+
+
+class Int8Linear(TiledCodes, PromptWeight, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)  # float, as the activations
 
+    def rows(self) -> dict[str, Tensor]:
+        return {"weight": untile_int8(self.weight) if self.tiled else self.weight}
+
     def dense_weight(self, dtype: torch.dtype) -> Tensor:
-        return (self.weight.to(self.scales.dtype) * self.scales.unsqueeze(-1)).to(dtype)
+        return (self.rows()["weight"].to(self.scales.dtype) * self.scales.unsqueeze(-1)).to(dtype)
 
     def product(self, x: Tensor) -> Tensor:
-        return add_bias(linear(x, self.weight, self.scales), self.bias)
+        return add_bias(linear(x, self.weight, self.scales, self.tiled), self.bias)
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(TiledCodes, nn.Module):
     """Embedding rows as int8 with a scale per row; the tied LM head reads them through kernels.linear."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
@@ -420,8 +445,12 @@ class Int8Embedding(nn.Module):
         self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(num_embeddings))
 
+    def rows(self) -> dict[str, Tensor]:
+        return {"weight": untile_int8(self.weight) if self.tiled else self.weight}
+
     def forward(self, idx: Tensor) -> Tensor:
-        return F.embedding(idx, self.weight).to(self.scales.dtype) * self.scales[idx].unsqueeze(-1)
+        codes = tiled_int8_rows(self.weight, idx) if self.tiled else F.embedding(idx, self.weight)
+        return codes.to(self.scales.dtype) * self.scales[idx].unsqueeze(-1)
 
 
 class BF16Storage(nn.Module):
@@ -458,7 +487,7 @@ class BF16Embedding(BF16Storage):
         return F.embedding(idx, self.weight)
 
 
-class Int4Linear(PromptWeight, nn.Module):
+class Int4Linear(TiledCodes, PromptWeight, nn.Module):
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False):
         super().__init__()
         n_groups = in_features // group_size
@@ -467,11 +496,15 @@ class Int4Linear(PromptWeight, nn.Module):
         self.register_buffer("offsets", torch.zeros(out_features, n_groups))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
+    def rows(self) -> dict[str, Tensor]:
+        codes = (self.weight, self.scales, self.offsets)
+        return dict(zip(("weight", "scales", "offsets"), untile_int4(*codes) if self.tiled else codes))
+
     def dense_weight(self, dtype: torch.dtype) -> Tensor:
-        return dequantize_int4(self.weight, self.scales, self.offsets, dtype)
+        return dequantize_int4(self.weight, self.scales, self.offsets, dtype, self.tiled)
 
     def product(self, x: Tensor) -> Tensor:
-        return add_bias(int4_linear(x, self.weight, self.scales, self.offsets), self.bias)
+        return add_bias(int4_linear(x, self.weight, self.scales, self.offsets, self.tiled), self.bias)
 
 
 def linears(model: Transformer) -> list[tuple[nn.Module, str, nn.Module]]:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from attention import attention_lse
-from kernels import cpu, dequantize_int4
+from kernels import cpu
 from kv.contract import AttentionCache
 from kv.params import Param, boolean, choice, whole
 from kv.pool import AdaKVCache
@@ -171,15 +171,6 @@ def record_prefill(model: Transformer, idx: Tensor, chunk: int | None = None,
     return [(r.q, r.k, r.v) for r in recorders], hidden
 
 
-def dense_weight(module: nn.Module) -> Tensor:
-    """A linear layer's weight as floats, whether plain or quantized by quantize.py."""
-    if hasattr(module, "offsets"):
-        return dequantize_int4(module.weight, module.scales, module.offsets)
-    if hasattr(module, "scales"):
-        return module.weight.float() * module.scales.unsqueeze(-1)
-    return module.weight.float()
-
-
 def reconstruction_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k: Tensor, v: Tensor, start: int, stop: int,
                              n_sinks: int, row_scale: Tensor | None = None,
                              key_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -267,7 +258,7 @@ def context_scores(model: Transformer, idx: Tensor, kv: list[tuple[Tensor, Tenso
             if plus:
                 s = min(n_sinks, start)
                 values = torch.cat([v_ctx[:, :, :s], v_ctx[:, :, start:stop], v], dim=2).float()
-                wo = dense_weight(layer.attention.wo).view(a.dim, a.n_kv_heads, g, a.head_dim)
+                wo = layer.attention.wo.dense_weight(torch.float32).view(a.dim, a.n_kv_heads, g, a.head_dim)
                 gram = torch.einsum("okgd,okge->kgde", wo, wo)  # ||W_o,h v||^2 = v^T (W_o,h^T W_o,h) v
                 key_scale = torch.einsum("bkmd,kgde,bkme->bkgm", values, gram, values).clamp(min=0).sqrt()
                 row_scale = 1.0 / h.float().norm(dim=-1)

@@ -159,12 +159,15 @@ def test_compiled_decode_through_integer_products(mode, monkeypatch):
     def run(decoder):
         return greedy_with_logits(model, decoder, prompt, N)
 
+    decoder = decode.Decoder(model, compile=True)  # tiles the weights where the AVX-512 kernels read tiles
+    layers = [m for m in model.modules() if isinstance(m, (quantize.Int8Linear, quantize.Int4Linear))]
+    assert all(m.tiled for m in layers) == (kernels.int_path(model.layers[0].attention.wqkv.weight.dtype)
+                                            == kernels.TILED_PATH)
     with monkeypatch.context() as m:  # eager one-token products through the kernel too (prefill: F.linear)
         path = kernels._path
         m.setattr(kernels, "_path", lambda x, dtype: kernels.int_path(dtype) if x.shape[:-1].numel() == 1
                   and dtype in kernels.INT_DTYPES else path(x, dtype))
         eager_tokens, eager_logits = run(decode.Decoder(model))
-    decoder = decode.Decoder(model, compile=True)
     decoder.warm_up(prompt)
     recompiles = sum(counters["recompiles"].values())
     tokens, logits = run(decoder)
@@ -343,8 +346,12 @@ def test_timed_choice_times_both_kernels(monkeypatch, tmp_path):
         pytest.skip("no integer kernels on this CPU")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(kernels, "_TIMED", {})
-    chosen = kernels.time_int_paths(int8_layers(2))
+    layers = int8_layers(2)
+    codes = [m.weight.clone() for m in layers]
+    chosen = kernels.time_int_paths(layers)
     assert set(chosen) == {torch.int8}
+    # timed in tiles where the kernels read tiles, handed back in rows (the Decoder tiles after choosing)
+    assert not any(m.tiled for m in layers) and all(torch.equal(m.weight, c) for m, c in zip(layers, codes))
     import json
 
     (entry,) = json.loads((tmp_path / "kvfast" / "choices.json").read_text()).values()

@@ -1,0 +1,145 @@
+"""Tiled int8 / int4 weights (kernels_cpu.tile_int8 / tile_int4, kernels.tile_weights): the layouts round-trip,
+the AVX-512 tiled products equal the float64 product of their operands, and a tiled layer keeps quantize.py's rows
+in its state_dict, its dense weight and every other kernel's product."""
+
+import pytest
+import torch
+from numerics import assert_numerically_close
+from test_int_kernels import QK, built, int4_reference, int8_reference, quantization_bound
+
+import kernels
+import kernels_cpu
+import quantize
+from kernels import dequantize_int4
+
+SHAPES = [(1, 576, 96, 32), (3, 1536, 48, 32), (2, 192, 32, 64), (1, 128, 16, 128), (1, 96, 16, 32)]
+
+
+def tiled_ops():
+    ops = built("avx512-vnni")
+    if not hasattr(ops, "int8_linear_tiled"):
+        pytest.skip("no tiled kernels in this build")
+    return ops
+
+
+@pytest.mark.parametrize("shape", [(16, 64, 32), (48, 96, 32), (576, 1536, 64), (32, 896, 128)])
+def test_tiles_round_trip_and_hold_16_rows_side_by_side(shape):
+    out, n_in, group = shape
+    w = torch.randn(out, n_in, generator=torch.Generator().manual_seed(n_in))
+    codes, _ = quantize.quantize_int8(w)
+    packed, scales, _ = quantize.quantize_int4(w, group)
+    tiled8, tiled4 = kernels_cpu.tile_int8(codes), kernels_cpu.tile_int4(packed)
+    assert tiled8.shape == codes.shape and tiled8.dtype == torch.int8 and tiled4.shape == packed.shape
+    assert torch.equal(kernels_cpu.untile_int8(tiled8), codes)
+    assert torch.equal(kernels_cpu.untile_int4(tiled4), packed)
+    assert torch.equal(kernels_cpu.untile_groups(kernels_cpu.tile_groups(scales)), scales)
+    # the first 64 bytes: columns 0-3 of rows 0-15, code + 128 (int8); columns 0-7 of rows 0-15 as nibbles (int4)
+    assert torch.equal(tiled8.flatten()[:64].view(torch.uint8).view(16, 4).int(), codes[:16, :4].int() + 128)
+    first = tiled4.flatten()[:64].view(16, 4)
+    full = torch.cat([packed & 15, packed >> 4], 1)
+    assert torch.equal(first & 15, full[:16, :4]) and torch.equal(first >> 4, full[:16, 4:8])
+    assert torch.equal(kernels_cpu.tile_groups(scales).view(-1, scales.shape[1], 16)[0], scales[:16].T)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tiled_kernels_equal_the_float64_product_of_their_operands(shape):
+    ops = tiled_ops()
+    rows, n_in, n_out, group = shape
+    g = torch.Generator().manual_seed(n_in + n_out)
+    w, x = torch.randn(n_out, n_in, generator=g), torch.randn(rows, 1, n_in, generator=g)
+    x[..., :QK] = 0  # an all-zero block: scale 0, not a division by zero
+    codes, scales = quantize.quantize_int8(w)
+    packed, s4, offsets = quantize.quantize_int4(w, group)
+    y8 = ops.int8_linear_tiled(x, kernels_cpu.tile_int8(codes), scales)
+    y4 = ops.int4_linear_tiled(x, kernels_cpu.tile_int4(packed), kernels_cpu.tile_groups(s4),
+                               kernels_cpu.tile_groups(offsets))
+    for y, ref, dense in ((y8, int8_reference(x, codes, scales, ops), codes.double() * scales.double()[:, None]),
+                          (y4, int4_reference(x, packed, s4, offsets, ops),
+                           dequantize_int4(packed, s4, offsets).double())):
+        assert y.shape == (rows, 1, n_out) and y.dtype == torch.float32
+        assert_numerically_close(y, ref.float(), depth=n_in + n_in // group)
+        exact = x.double() @ dense.T
+        assert ((y.double() - exact).abs() <= quantization_bound(x, dense) + 1e-3 * exact.abs().max()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiled_int4_weight_dequantizes_to_the_rows_values(dtype):
+    """The prompt's dense copy: the C++ one-pass kernel reads tiles bit for bit as rows, and so does the torch
+    fallback (what a compiled graph or another device runs)."""
+    packed, scales, offsets = quantize.quantize_int4(torch.randn(48, 256, generator=torch.Generator().manual_seed(1)), 64)
+    tiles = (kernels_cpu.tile_int4(packed), kernels_cpu.tile_groups(scales), kernels_cpu.tile_groups(offsets))
+    assert torch.equal(dequantize_int4(*tiles, dtype, tiled=True), dequantize_int4(packed, scales, offsets, dtype))
+    assert torch.equal(dequantize_int4(*tiles, torch.float16, tiled=True),  # not the kernel's dtypes: torch's ops
+                       dequantize_int4(packed, scales, offsets, torch.float16))
+
+
+def layer_pair(mode: str, out: int = 48, n_in: int = 128, tile: bool = True):
+    """A quantized layer and a copy of it, tiled unless not `tile`."""
+    w = torch.randn(out, n_in, generator=torch.Generator().manual_seed(out))
+    layers = []
+    for _ in range(2):
+        layer = quantize.Int8Linear(n_in, out) if mode == "int8" else quantize.Int4Linear(n_in, out, 32)
+        if mode == "int8":
+            layer.weight, layer.scales = quantize.quantize_int8(w)
+        else:
+            layer.weight, layer.scales, layer.offsets = quantize.quantize_int4(w, 32)
+        layers.append(layer)
+    if tile:
+        kernels.retile(layers[1], True)
+    return layers
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_tiled_layer_keeps_its_rows_state_dict_and_products(mode):
+    rows, tiled = layer_pair(mode)
+    assert tiled.tiled and not torch.equal(tiled.weight, rows.weight)
+    assert all(torch.equal(tiled.state_dict()[k], v) for k, v in rows.state_dict().items())
+    assert torch.equal(tiled.dense_weight(torch.float32), rows.dense_weight(torch.float32))
+    x = torch.randn(2, 5, 128)
+    with torch.no_grad():
+        assert torch.equal(tiled(x), rows(x))  # eager rows: F.linear on the same dense weight
+        if kernels.int_path(rows.weight.dtype) == kernels.TILED_PATH:
+            one = torch.randn(1, 1, 128)
+            with kernels.integer_products("everywhere"):
+                assert_numerically_close(tiled(one), rows(one), depth=128 + 4, storage=torch.bfloat16, roundings=1)
+    fresh = layer_pair(mode)[1]
+    fresh.load_state_dict(rows.state_dict())  # rows copied over the tiles
+    assert not fresh.tiled and torch.equal(fresh.weight, rows.weight)
+    kernels.retile(tiled, False)
+    assert not tiled.tiled and all(torch.equal(getattr(tiled, k), v) for k, v in rows.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_compiled_step_through_reductions_reads_tiles_as_rows(mode):
+    """Where the timing chose the reductions after all (or a forced CPU kind), a tiled layer's compiled product
+    untiles inside the graph and equals the rows' product."""
+    rows, tiled = layer_pair(mode)
+    x = torch.randn(1, 1, 128)
+    with kernels.integer_products("nowhere"), torch.no_grad():
+        want = torch.compile(rows, fullgraph=True, dynamic=False)(x)
+        got = torch.compile(tiled, fullgraph=True, dynamic=False)(x)
+    assert_numerically_close(got, want, depth=128)
+
+
+def test_tile_weights_tiles_what_the_tiled_kernels_read_and_nothing_else():
+    tiled_ops()
+    wide, narrow = layer_pair("int4", 48, tile=False)[0], layer_pair("int4", 40, tile=False)[0]  # 40 rows: no whole tiles
+    assert kernels.tile_weights([wide, narrow]) == 1
+    assert wide.tiled and not narrow.tiled
+    assert kernels.tile_weights([wide]) == 0  # once
+    other = layer_pair("int8", tile=False)[0]
+    with kernels.force_cpu("avx2"):  # the AVX2 kernels read rows
+        assert kernels.tile_weights([other]) == 0 and not other.tiled
+
+
+def test_a_tiled_int8_embedding_looks_up_its_rows_and_keeps_its_state_dict():
+    """The tied head in tiles: an embedding lookup reads the same codes, the state_dict the rows."""
+    rows, tiled = quantize.Int8Embedding(48, 64), quantize.Int8Embedding(48, 64)
+    codes, scales = quantize.quantize_int8(torch.randn(48, 64, generator=torch.Generator().manual_seed(3)))
+    for e in (rows, tiled):
+        e.weight, e.scales = codes, scales
+    kernels.retile(tiled, True)
+    idx = torch.tensor([[0, 17, 47], [15, 16, 31]])
+    assert tiled.tiled and torch.equal(tiled(idx), rows(idx))
+    assert torch.equal(torch.compile(tiled, fullgraph=True, dynamic=False)(idx), rows(idx))
+    assert torch.equal(tiled.state_dict()["weight"], codes)
