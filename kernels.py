@@ -212,8 +212,8 @@ MIN_TIMED_COLUMNS = 256  # narrower products (the tests' tiny models) say nothin
 def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
     """Time one token through `layers` (every int8 / int4 projection of a model, so that the weights stream from
     memory as in a step: one block's stay in the cache, where on an AMD EPYC the int8 integer products won 85 to
-    150 us and lost 6.3 to 4.3 ms over the whole model) both ways: the integer kernels called as a compiled step
-    calls them, and Inductor's reductions compiled. Once per machine and model: the result is remembered in
+    150 us and lost 6.3 to 4.3 ms over the whole model) both ways, compiled: the integer kernels (over tiles where
+    they read tiles) and Inductor's reductions. Once per machine and model: the result is remembered in
     ~/.cache/kvfast/choices.json under this CPU's name and flags, the thread count, torch's version, the kernels'
     source and the shapes, and int_paths() follows it. Not under a forced CPU kind (KVFAST_CPU), and not for
     products narrower than MIN_TIMED_COLUMNS. Call it before compiling a step (decode.Decoder does): a compiled
@@ -231,29 +231,36 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
                     ";".join(f"{shape} x{n}" for shape, n in sorted(shapes.items()))])
 
     def faster(name: str) -> tuple[bool, float, float]:
-        global _INT_PATHS
         mods = by_dtype[name]
         xs = [torch.randn(1, 1, columns(m)) for m in mods]
-        with torch.no_grad():
-            # both compiled, as a step calls them (timed eagerly, the integer side paid ~10 us of Python per call);
-            # two lambdas: two code objects, so neither finds the other's graph in dynamo's cache
-            _INT_PATHS = base
-            tiled = [m for m in mods if tile_weights([m])]  # in the layout it will read
+        was_tiled = [m.tiled for m in mods]  # a model a Decoder tiled before: handed back as found
+
+        def products(*xs: Tensor) -> list[Tensor]:
+            return [m(x) for m, x in zip(mods, xs)]
+
+        def compiled_seconds(paths: dict[torch.dtype, str]) -> float:
+            """Both sides compiled, as a step calls them (timed eagerly, the integer kernels paid ~10 us of Python
+            per call), each over the layout it reads. The graph is dropped after: the next trace must not find it,
+            nor count as a recompile."""
+            global _INT_PATHS
+            _INT_PATHS = paths
             try:
-                integer = torch.compile(lambda *a: [m(x) for m, x in zip(mods, a)], fullgraph=True, dynamic=False)
-                integer(*xs)
-                t_int = kernels_cpu.time_calls(lambda: integer(*xs))
-            finally:
-                _INT_PATHS = None
-                for m in tiled:
+                for m in mods:
                     retile(m, False)
-            _INT_PATHS = {}  # traced now: the reductions
-            try:
-                reductions = torch.compile(lambda *a: [m(x) for m, x in zip(mods, a)], fullgraph=True, dynamic=False)
-                reductions(*xs)
+                tile_weights(mods)  # where `paths` reads tiles
+                step = torch.compile(products, fullgraph=True, dynamic=False)
+                step(*xs)
+                return kernels_cpu.time_calls(lambda: step(*xs))
             finally:
                 _INT_PATHS = None
-            t_red = kernels_cpu.time_calls(lambda: reductions(*xs))
+                torch._dynamo.eval_frame.remove_from_cache(products)
+
+        with torch.no_grad():
+            try:
+                t_int, t_red = compiled_seconds(base), compiled_seconds({})
+            finally:
+                for m, tiled in zip(mods, was_tiled):
+                    retile(m, tiled)
         return t_int <= t_red, t_int, t_red
 
     wins = kernels_cpu.remembered_choice(key, list(by_dtype), faster)

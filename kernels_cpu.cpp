@@ -468,11 +468,13 @@ at::Tensor int4_dequantize(const at::Tensor& packed_, const at::Tensor& scales_,
         const int64_t k = tiled ? (t * n_groups + g) * TR + lane : o * n_groups + g;
         const float scale = sp[k], offset = op[k];
         const int64_t first = g * group;
-        if (tiled) {  // byte i of a row's 4 in each 64-byte column block: column 8c + i low, 8c + 4 + i high
-          const uint8_t* rows = wp + t * TR * half + lane * 4;
-          for (int64_t c = first; c < first + group; ++c) {
-            const uint8_t byte = rows[(c / 8) * 64 + c % 4];
-            row[c] = float(c % 8 < 4 ? byte & 15 : byte >> 4) * scale + offset;
+        if (tiled) {  // byte i of a row's 4 in each 64-byte block of 8 columns: column 8c + i low, 8c + 4 + i high
+          const uint8_t* bytes = wp + t * TR * half + lane * 4 + first * 8;
+          for (int64_t c = first; c < first + group; c += 8, bytes += 64) {
+            for (int i = 0; i < 4; ++i) {
+              row[c + i] = float(bytes[i] & 15) * scale + offset;
+              row[c + 4 + i] = float(bytes[i] >> 4) * scale + offset;
+            }
           }
         } else {
           const uint8_t* codes = wp + o * half;
