@@ -65,25 +65,31 @@ def quantization_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (step.flatten(-2).double() / 2) @ w.abs().double().T
 
 
-@pytest.mark.parametrize("isa", kernels_cpu.ISAS)
-@pytest.mark.parametrize("shape", [(1, 576, 96, 32), (3, 1536, 40, 32), (2, 192, 33, 64), (1, 128, 7, 128)])
-def test_each_kernel_equals_the_float64_product_of_its_operands(isa, shape):
-    ops = built(isa)
+def check_against_float64(shape: tuple[int, int, int, int], ops, int8_product, int4_product) -> None:
+    """int8_product(x, codes, scales) and int4_product(x, packed, scales, offsets) (quantize.py's layouts) equal the
+    float64 product of the operands the kernel sees, and the exact product up to the activations' rounding."""
     rows, n_in, n_out, group = shape
     g = torch.Generator().manual_seed(n_in + n_out)
     w, x = torch.randn(n_out, n_in, generator=g), torch.randn(rows, 1, n_in, generator=g)
     x[..., :QK] = 0  # an all-zero block: scale 0, not a division by zero
     codes, scales = quantize.quantize_int8(w)
     packed, s4, offsets = quantize.quantize_int4(w, group)
-    for y, ref, dense in ((ops.int8_linear(x, codes, scales), int8_reference(x, codes, scales, ops),
+    for y, ref, dense in ((int8_product(x, codes, scales), int8_reference(x, codes, scales, ops),
                            codes.double() * scales.double()[:, None]),
-                          (ops.int4_linear(x, packed, s4, offsets), int4_reference(x, packed, s4, offsets, ops),
+                          (int4_product(x, packed, s4, offsets), int4_reference(x, packed, s4, offsets, ops),
                            dequantize_int4(packed, s4, offsets).double())):
         assert y.shape == (rows, 1, n_out) and y.dtype == torch.float32
         assert_numerically_close(y, ref.float(), depth=n_in + n_in // group)
         exact = x.double() @ dense.T
         slack = tolerance(float(exact.abs().max()), depth=n_in)["atol"]
         assert ((y.double() - exact).abs() <= quantization_bound(x, dense) + slack).all()
+
+
+@pytest.mark.parametrize("isa", kernels_cpu.ISAS)
+@pytest.mark.parametrize("shape", [(1, 576, 96, 32), (3, 1536, 40, 32), (2, 192, 33, 64), (1, 128, 7, 128)])
+def test_each_kernel_equals_the_float64_product_of_its_operands(isa, shape):
+    ops = built(isa)
+    check_against_float64(shape, ops, ops.int8_linear, ops.int4_linear)
 
 
 @pytest.mark.parametrize("isa", kernels_cpu.ISAS)

@@ -5,7 +5,7 @@ in its state_dict, its dense weight and every other kernel's product."""
 import pytest
 import torch
 from numerics import assert_numerically_close
-from test_int_kernels import QK, built, int4_reference, int8_reference, quantization_bound
+from test_int_kernels import built, check_against_float64
 
 import kernels
 import kernels_cpu
@@ -44,22 +44,10 @@ def test_tiles_round_trip_and_hold_16_rows_side_by_side(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_tiled_kernels_equal_the_float64_product_of_their_operands(shape):
     ops = tiled_ops()
-    rows, n_in, n_out, group = shape
-    g = torch.Generator().manual_seed(n_in + n_out)
-    w, x = torch.randn(n_out, n_in, generator=g), torch.randn(rows, 1, n_in, generator=g)
-    x[..., :QK] = 0  # an all-zero block: scale 0, not a division by zero
-    codes, scales = quantize.quantize_int8(w)
-    packed, s4, offsets = quantize.quantize_int4(w, group)
-    y8 = ops.int8_linear_tiled(x, kernels_cpu.tile_int8(codes), scales)
-    y4 = ops.int4_linear_tiled(x, kernels_cpu.tile_int4(packed), kernels_cpu.tile_groups(s4),
-                               kernels_cpu.tile_groups(offsets))
-    for y, ref, dense in ((y8, int8_reference(x, codes, scales, ops), codes.double() * scales.double()[:, None]),
-                          (y4, int4_reference(x, packed, s4, offsets, ops),
-                           dequantize_int4(packed, s4, offsets).double())):
-        assert y.shape == (rows, 1, n_out) and y.dtype == torch.float32
-        assert_numerically_close(y, ref.float(), depth=n_in + n_in // group)
-        exact = x.double() @ dense.T
-        assert ((y.double() - exact).abs() <= quantization_bound(x, dense) + 1e-3 * exact.abs().max()).all()
+    check_against_float64(
+        shape, ops, lambda x, codes, scales: ops.int8_linear_tiled(x, kernels_cpu.tile_int8(codes), scales),
+        lambda x, packed, scales, offsets: ops.int4_linear_tiled(
+            x, kernels_cpu.tile_int4(packed), kernels_cpu.tile_groups(scales), kernels_cpu.tile_groups(offsets)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
