@@ -330,7 +330,10 @@ class Decoder:
         if compile:
             if device == "cpu":  # before tracing: the step keeps the kernels it is traced with
                 time_int_paths([m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))])
-                tile_weights([m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear, Int8Embedding))])
+                rows = max((c.batch_size for c in getattr(model, "caches", None) or [] if hasattr(c, "batch_size")),
+                           default=1)
+                tile_weights([m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear, Int8Embedding))],
+                             rows)
             self._compile()
         if compile_prefill:
             if kvzip.needs_context_pass(model):

@@ -529,16 +529,18 @@ def untile_int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> tuple[Tensor
     return kernels_cpu.untile_int4(packed), kernels_cpu.untile_groups(scales), kernels_cpu.untile_groups(offsets)
 
 
-def tile_weights(layers: list[torch.nn.Module]) -> int:
+def tile_weights(layers: list[torch.nn.Module], rows: int = 1) -> int:
     """Rearrange in place, into kernels_cpu's tiles of 16 output rows, the int8 / int4 weights of `layers`
-    (model.Int8Linear / Int4Linear) whose one-token products take TILED_PATH on this machine (int_path, after
-    time_int_paths): the row-major kernel reduces each row across its vector lanes, and for a 135M model's rows
-    that costs more than the loads (its int8 projections: 5.8 ms a token in rows, 3.7-4.0 ms in tiles, an AMD
-    EPYC). Same bytes and shapes; the layers read their weight through their `tiled` flag. Returns how many."""
+    (model.Int8Linear / Int4Linear / Int8Embedding) whose products over a step's `rows` (its batch) take
+    TILED_PATH on this machine (linear_path, after time_int_paths): the row-major kernel reduces each row across
+    its vector lanes, and for a 135M model's rows that costs more than the loads (its int8 projections: 5.8 ms a
+    token in rows, 3.7-4.0 ms in tiles, an AMD EPYC). Same bytes and shapes; the layers read their weight through
+    their `tiled` flag (another kernel untiles them on the fly: a batch that reaches a GEMM later pays for it).
+    Returns how many."""
     n = 0
     for layer in layers:
         groups = layer.offsets.shape[1] if layer.weight.dtype == torch.uint8 else 1
-        if (layer.tiled or int_path(layer.weight.dtype) != TILED_PATH or layer.weight.device.type != "cpu"
+        if (layer.tiled or linear_path(layer.weight.dtype, rows) != TILED_PATH or layer.weight.device.type != "cpu"
                 or not kernels_cpu.tileable(layer.weight.shape[0], columns(layer), groups)):
             continue
         retile(layer, True)
@@ -547,7 +549,8 @@ def tile_weights(layers: list[torch.nn.Module]) -> int:
 
 
 def retile(layer: torch.nn.Module, tiled: bool) -> None:
-    """An Int8Linear / Int4Linear's codes (and int4 scales and offsets) into tiles, or back into rows."""
+    """An Int8Linear / Int4Linear / Int8Embedding's codes (and int4 scales and offsets) into tiles, or back into
+    rows."""
     if layer.tiled == tiled:
         return
     if not tiled:

@@ -406,8 +406,8 @@ class TiledCodes:
     tiled = False
 
     def rows(self) -> dict[str, Tensor]:
-        """The buffers that tiling rearranges, in quantize.py's row layout."""
-        raise NotImplementedError
+        """The buffers that tiling rearranges, in quantize.py's row layout (int8: the codes)."""
+        return {"weight": untile_int8(self.weight) if self.tiled else self.weight}
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -427,9 +427,6 @@ class Int8Linear(TiledCodes, PromptWeight, nn.Module):
         self.register_buffer("scales", torch.ones(out_features))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)  # float, as the activations
 
-    def rows(self) -> dict[str, Tensor]:
-        return {"weight": untile_int8(self.weight) if self.tiled else self.weight}
-
     def dense_weight(self, dtype: torch.dtype) -> Tensor:
         return (self.rows()["weight"].to(self.scales.dtype) * self.scales.unsqueeze(-1)).to(dtype)
 
@@ -444,9 +441,6 @@ class Int8Embedding(TiledCodes, nn.Module):
         super().__init__()
         self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(num_embeddings))
-
-    def rows(self) -> dict[str, Tensor]:
-        return {"weight": untile_int8(self.weight) if self.tiled else self.weight}
 
     def forward(self, idx: Tensor) -> Tensor:
         codes = tiled_int8_rows(self.weight, idx) if self.tiled else F.embedding(idx, self.weight)

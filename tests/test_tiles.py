@@ -131,3 +131,16 @@ def test_a_tiled_int8_embedding_looks_up_its_rows_and_keeps_its_state_dict():
     assert tiled.tiled and torch.equal(tiled(idx), rows(idx))
     assert torch.equal(torch.compile(tiled, fullgraph=True, dynamic=False)(idx), rows(idx))
     assert torch.equal(tiled.state_dict()["weight"], codes)
+
+
+def test_a_batch_that_takes_a_gemm_keeps_its_int8_rows():
+    """From 8 rows a CPU with bfloat16 dot products multiplies int8 weights in ATen's GEMM, which reads rows;
+    int4 keeps the integer products, in tiles."""
+    tiled_ops()
+    with kernels.force_cpu("avx512-bf16"):
+        if kernels.linear_path(torch.int8, 8) == kernels.TILED_PATH:
+            pytest.skip("no int8 GEMM here")
+        int8, int4 = layer_pair("int8", tile=False)[0], layer_pair("int4", tile=False)[0]
+        assert kernels.tile_weights([int8, int4], rows=8) == 1
+        assert int4.tiled and not int8.tiled
+        assert kernels.tile_weights([int8], rows=1) == 1 and int8.tiled
