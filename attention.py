@@ -142,7 +142,7 @@ def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tens
     q . (c s + z) = s (q . c) + z sum(q), and sum_t p (c s + z) = sum_t (p s) c + sum_t p z, so each code is
     converted and multiplied once per query head instead of dequantized once per query head.
 
-    Float K/V given whole take kernels_cpu.cpp's one-query kernel where attention_path() has it: the same
+    Float K/V given whole take attention_cpu.cpp's one-query kernel where attention_path() has it: the same
     roundings, each key and value read once for the g query heads of its KV head, and masked slots not read."""
     B, H, _, D = q.shape
     n_kv = mask.shape[1]

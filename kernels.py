@@ -292,7 +292,7 @@ _ATTENTION_PATH: str | None = None  # attention_path(), filled at first use
 @torch._dynamo.assume_constant_result  # run, not traced (it may build the kernels): a constant of the graph
 def attention_path() -> str:
     """The kernel of a compiled CPU decode step's one-query attention over float K/V: "one-query-avx512"
-    (kernels_cpu.cpp, in its AVX-512 build: the g query heads of a KV head share each load of K and V, 2-5x
+    (attention_cpu.cpp, in its AVX-512 build: the g query heads of a KV head share each load of K and V, 2-5x
     Inductor's reductions from 640 to 16k slots, docs/speed.md) or "reductions" (attend_one_query's, fused by
     Inductor)."""
     global _ATTENTION_PATH

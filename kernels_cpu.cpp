@@ -1,5 +1,6 @@
-// Integer dot-product linear layers for one-token decode steps on CPU (kernels.py builds this file at first use
-// with the flags of the detected CPU kind and registers its ops under the namespace KVFAST_NS).
+// Integer dot-product linear layers for one-token decode steps on CPU (kernels_cpu.py builds this file and
+// attention_cpu.cpp at first use with the flags of the detected CPU kind and registers their ops under the
+// namespace KVFAST_NS).
 //
 // llama.cpp's scheme: each activation row is quantized per block of 32 columns to int8 (Q8_0: one fp32 scale
 // d = max|x| / 127 per block), multiplied with the weight codes in int32 (exact), and each block's integer sum
@@ -510,229 +511,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_) {
   return {codes, d};
 }
 
-#if defined(KVFAST_AVX512)
-// ---- one-query attention (a decode step's attention over the cache, AVX-512) -----------------------------------
-// Inductor's reductions for it read each key once per query head of its group and run at a quarter of the
-// bandwidth; here the g query heads of a KV head share every load of K and V, masked slots are not read at all,
-// and the keys are split in blocks between threads (flash-decoding: each block's max and sum, combined).
-
-// e^x for x <= 0 (a softmax's shifted scores): x = n ln2 + r, e^r by Cephes' degree-6 polynomial, 2^n by scalef.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
-
-// 16 channels of a K or V row as fp32; and, for bfloat16 K/V, fp32 rounded to bfloat16 and back at the points where
-// attend's bfloat16 matmuls round (kernels.attend_one_query rounds alike; float16 K/V are read exactly, in fp32).
-template <typename T> inline __m512 load16(const T* p);
-template <> inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-template <> inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-template <typename T> inline __m512 round16(__m512 x) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {  // to nearest even (finite x)
-    const __m512i b = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-  return x;
-}
-
-// The sums of the 16 lanes of a, b, c and d, in that order.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d per 128
-  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
-}
-
-constexpr int64_t KEY_BLOCK = 128;  // keys per task: a 512-slot cache of 3 KV heads is 12 tasks for 2 threads
-
-// q [B, n_kv, g, D] fp32; k, v [B, n_kv, T, D] (fp32 / fp16 / bf16); mask [B, n_kv, T] bool (True: attend).
-// Returns out [B, n_kv, g, D] fp32 and the probabilities [B, n_kv, g, T] fp32 (0 at masked slots). g and
-// D / 16 are template parameters, so the accumulators of a key's g heads stay in registers.
-template <typename T, int g, int nd>
-void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                              double scale, at::Tensor& out, at::Tensor& probs) {
-  const int64_t BH = q.size(0) * q.size(1), D = 16 * nd, Tn = k.size(2);
-  const int64_t blocks = (Tn + KEY_BLOCK - 1) / KEY_BLOCK;
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  const bool* mp = mask.data_ptr<bool>();
-  float* pp = probs.data_ptr<float>();
-  std::vector<float> bmax(BH * blocks * g), bsum(BH * blocks * g), part(BH * blocks * g * D);
-  const float minus_inf = -std::numeric_limits<float>::infinity();
-  // scores (rounded, scaled, masked) into probs, each block's max and sum of exponentials
-  at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / blocks, t0 = (task % blocks) * KEY_BLOCK, t1 = std::min(Tn, t0 + KEY_BLOCK);
-      __m512 qv[g][nd];
-      for (int j = 0; j < g; ++j)
-        for (int c = 0; c < nd; ++c) qv[j][c] = round16<T>(_mm512_loadu_ps(qp + (bh * g + j) * D + 16 * c));
-      // four keys at a time: their four sums per head come out of one transposing reduction
-      for (int64_t t = t0; t < t1; t += 4) {
-        const int n = static_cast<int>(std::min<int64_t>(4, t1 - t));
-        const bool* mt = mp + bh * Tn + t;
-        if (!(mt[0] || (n > 1 && mt[1]) || (n > 2 && mt[2]) || (n > 3 && mt[3]))) {
-          for (int j = 0; j < g; ++j)
-            for (int i = 0; i < n; ++i) pp[(bh * g + j) * Tn + t + i] = minus_inf;
-          continue;
-        }
-        __m512 acc[g][4];
-        for (int j = 0; j < g; ++j)
-          for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
-        for (int i = 0; i < n; ++i) {
-          const T* kt = kp + (bh * Tn + t + i) * D;
-          for (int c = 0; c < nd; ++c) {
-            const __m512 kc = load16(kt + 16 * c);
-            for (int j = 0; j < g; ++j) acc[j][i] = _mm512_fmadd_ps(qv[j][c], kc, acc[j][i]);
-          }
-        }
-        for (int j = 0; j < g; ++j) {
-          const __m128 sums = sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-          float* dst = pp + (bh * g + j) * Tn + t;
-          if (n == 4) {
-            _mm_storeu_ps(dst, sums);
-          } else {
-            alignas(16) float tmp[4];
-            _mm_store_ps(tmp, sums);
-            for (int i = 0; i < n; ++i) dst[i] = tmp[i];
-          }
-          for (int i = 0; i < n; ++i)
-            if (!mt[i]) dst[i] = minus_inf;
-        }
-      }
-      for (int j = 0; j < g; ++j) {
-        float* s = pp + (bh * g + j) * Tn;
-        __m512 m = _mm512_set1_ps(minus_inf);
-        for (int64_t t = t0; t < t1; t += 16) {
-          const __mmask16 live = t1 - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t1 - t)) - 1);
-          const __m512 raw = _mm512_maskz_loadu_ps(live, s + t);
-          const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, raw, _mm512_set1_ps(minus_inf), _CMP_NEQ_OQ);
-          const __m512 x = _mm512_mask_blend_ps(keep, _mm512_set1_ps(minus_inf),
-                                                _mm512_mul_ps(round16<T>(raw), _mm512_set1_ps(static_cast<float>(scale))));
-          _mm512_mask_storeu_ps(s + t, live, x);
-          m = _mm512_mask_max_ps(m, live, m, x);
-        }
-        const float mx = _mm512_reduce_max_ps(m);
-        __m512 sum = _mm512_setzero_ps();
-        if (mx != minus_inf) {
-          for (int64_t t = t0; t < t1; t += 16) {
-            const __mmask16 live = t1 - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t1 - t)) - 1);
-            const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
-            const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(minus_inf), _CMP_NEQ_OQ);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(mx)))));
-          }
-        }
-        bmax[(bh * blocks + task % blocks) * g + j] = mx;
-        bsum[(bh * blocks + task % blocks) * g + j] = _mm512_reduce_add_ps(sum);
-      }
-    }
-  });
-  // the softmax's max and sum per query head, from its blocks'
-  std::vector<float> M(BH * g, minus_inf), L(BH * g, 0.f);
-  for (int64_t bh = 0; bh < BH; ++bh)
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int j = 0; j < g; ++j) M[bh * g + j] = std::max(M[bh * g + j], bmax[(bh * blocks + b) * g + j]);
-  for (int64_t bh = 0; bh < BH; ++bh)
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int j = 0; j < g; ++j) {
-        const float m = bmax[(bh * blocks + b) * g + j];
-        if (m != minus_inf) L[bh * g + j] += bsum[(bh * blocks + b) * g + j] * std::exp(m - M[bh * g + j]);
-      }
-  // the probabilities, and each block's share of probabilities x V
-  at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / blocks, t0 = (task % blocks) * KEY_BLOCK, t1 = std::min(Tn, t0 + KEY_BLOCK);
-      alignas(64) float rounded[g][KEY_BLOCK];  // the probabilities as the values' product sees them
-      for (int j = 0; j < g; ++j) {
-        float* s = pp + (bh * g + j) * Tn;
-        const __m512 mx = _mm512_set1_ps(M[bh * g + j]), inv = _mm512_set1_ps(1.f / L[bh * g + j]);
-        for (int64_t t = t0; t < t1; t += 16) {
-          const __mmask16 live = t1 - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t1 - t)) - 1);
-          const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
-          const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(minus_inf), _CMP_NEQ_OQ);
-          const __m512 p = _mm512_maskz_mov_ps(keep, _mm512_mul_ps(exp_ps(_mm512_sub_ps(x, mx)), inv));
-          _mm512_mask_storeu_ps(s + t, live, p);
-          _mm512_mask_storeu_ps(rounded[j] + (t - t0), live, round16<T>(p));
-        }
-      }
-      __m512 acc[g][nd];
-      for (int j = 0; j < g; ++j)
-        for (int c = 0; c < nd; ++c) acc[j][c] = _mm512_setzero_ps();
-      for (int64_t t = t0; t < t1; ++t) {
-        if (!mp[bh * Tn + t]) continue;
-        const T* vt = vp + (bh * Tn + t) * D;
-        __m512 p[g];
-        for (int j = 0; j < g; ++j) p[j] = _mm512_set1_ps(rounded[j][t - t0]);
-        for (int c = 0; c < nd; ++c) {
-          const __m512 vc = load16(vt + 16 * c);
-          for (int j = 0; j < g; ++j) acc[j][c] = _mm512_fmadd_ps(p[j], vc, acc[j][c]);
-        }
-      }
-      float* dst = part.data() + task * g * D;
-      for (int j = 0; j < g; ++j)
-        for (int c = 0; c < nd; ++c) _mm512_storeu_ps(dst + j * D + 16 * c, acc[j][c]);
-    }
-  });
-  float* op = out.data_ptr<float>();
-  for (int64_t bh = 0; bh < BH; ++bh)
-    for (int j = 0; j < g; ++j)
-      for (int c = 0; c < nd; ++c) {
-        __m512 o = _mm512_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) o = _mm512_add_ps(o, _mm512_loadu_ps(part.data() + ((bh * blocks + b) * g + j) * D + 16 * c));
-        _mm512_storeu_ps(op + (bh * g + j) * D + 16 * c, round16<T>(o));
-      }
-}
-
-std::tuple<at::Tensor, at::Tensor> one_query_attention(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                                                       const at::Tensor& mask_, double scale) {
-  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), mask = mask_.contiguous();
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.scalar_type() == at::kFloat &&
-                  k.scalar_type() == v.scalar_type() && mask.scalar_type() == at::kBool,
-              "one_query_attention: q [B, n_kv, g, D] float32, k and v [B, n_kv, T, D] alike, mask [B, n_kv, T] bool");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) && q.size(2) >= 1 &&
-                  q.size(2) <= 8 && (q.size(3) == 64 || q.size(3) == 128) && mask.numel() == k.size(0) * k.size(1) * k.size(2),
-              "one_query_attention: shapes must agree, 1 <= g <= 8, D 64 or 128");
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor probs = at::empty({q.size(0), q.size(1), q.size(2), k.size(2)}, q.options());
-  const int64_t g = q.size(2), nd = q.size(3) / 16;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "one_query_attention", [&] {
-    using T = std::conditional_t<std::is_same_v<scalar_t, double>, float, scalar_t>;
-    TORCH_CHECK((!std::is_same_v<scalar_t, double>), "one_query_attention: K/V in float32, float16 or bfloat16");
-    const auto run = [&](auto G, auto ND) { one_query_attention_impl<T, decltype(G)::value, decltype(ND)::value>(
-                                                q, k, v, mask, scale, out, probs); };
-    const auto with_g = [&](auto ND) {
-      switch (g) {
-        case 1: run(std::integral_constant<int, 1>{}, ND); break;
-        case 2: run(std::integral_constant<int, 2>{}, ND); break;
-        case 3: run(std::integral_constant<int, 3>{}, ND); break;
-        case 4: run(std::integral_constant<int, 4>{}, ND); break;
-        case 5: run(std::integral_constant<int, 5>{}, ND); break;
-        case 6: run(std::integral_constant<int, 6>{}, ND); break;
-        case 7: run(std::integral_constant<int, 7>{}, ND); break;
-        default: run(std::integral_constant<int, 8>{}, ND); break;
-      }
-    };
-    if (nd == 4) with_g(std::integral_constant<int, 4>{});
-    else with_g(std::integral_constant<int, 8>{});
-  });
-  return {out, probs};
-}
-#endif
 
 }  // namespace
 
@@ -744,7 +522,6 @@ TORCH_LIBRARY(KVFAST_NS, m) {
 #if defined(KVFAST_AVX512)
   m.def("int8_linear_tiled(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int4_linear_tiled(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
-  m.def("one_query_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> (Tensor, Tensor)");
 #endif
 }
 
@@ -756,6 +533,5 @@ TORCH_LIBRARY_IMPL(KVFAST_NS, CPU, m) {
 #if defined(KVFAST_AVX512)
   m.impl("int8_linear_tiled", &int8_linear_tiled);
   m.impl("int4_linear_tiled", &int4_linear_tiled);
-  m.impl("one_query_attention", &one_query_attention);
 #endif
 }

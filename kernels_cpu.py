@@ -1,9 +1,9 @@
-"""The integer dot-product linear kernels of kernels_cpu.cpp: built at first use for one instruction set, loaded,
-and registered as torch ops (with Meta shapes) that a compiled decode step calls as extern kernels.
+"""The integer dot-product linear kernels of kernels_cpu.cpp and the one-query attention of attention_cpu.cpp:
+built together at first use for one instruction set, loaded, and registered as torch ops (with Meta shapes) that a compiled decode step calls as extern kernels.
 
 The instruction set is the best one the chosen CPU kind has (kernels.cpu(), so KVFAST_CPU=avx2 builds the AVX2
 variant) that this CPU also runs. Each variant is its own op namespace (kvfast_avx512_vnni, kvfast_avx2,
-kvfast_scalar), and its build directory under ~/.cache/kvfast/cpp is named by the compile flags, the source's hash
+kvfast_scalar), and its build directory under ~/.cache/kvfast/cpp is named by the compile flags, the sources' hash
 and torch's version: a build is never loaded for another CPU kind or another torch. Without a working compiler the
 kernels are unavailable (one warning) and kernels.py keeps its Inductor reductions.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_suffix(".cpp")
+SOURCES = (Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("attention_cpu.cpp"))  # one extension
 ISA_FLAGS = {
     "avx512-vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                     "-mavx512vnni"],
@@ -48,7 +48,8 @@ def build_name(isa: str) -> tuple[str, list[str]]:
     """(namespace_key, compile flags): the name of the variant's build, keyed by flags, source and torch."""
     ns = "kvfast_" + isa.replace("-", "_")
     flags = ["-O3", "-fopenmp", f"-DKVFAST_NS={ns}", *ISA_FLAGS[isa]]
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode())
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode())
     return f"{ns}_{digest.hexdigest()[:16]}", flags
 
 
@@ -58,7 +59,8 @@ _meta: list[torch.library.Library] = []
 
 def ops(isa: str) -> Any:
     """torch.ops.kvfast_<isa> with int8_linear, int4_linear, int4_dequantize and quantize_activations (and, in the
-    AVX-512 build, one_query_attention), built on first use; None (after one warning) where it cannot be built."""
+    AVX-512 build, int8_linear_tiled, int4_linear_tiled and one_query_attention), built on first use; None (after
+    one warning) where it cannot be built."""
     if isa not in _loaded:
         _loaded[isa] = _build(isa)
     return _loaded[isa]
@@ -72,7 +74,7 @@ def _build(isa: str) -> Any:
     folder = cache_root() / "cpp" / name
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a read-only cache: all mean the same here
         lines = str(e).strip().splitlines() or [type(e).__name__]

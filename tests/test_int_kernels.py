@@ -131,7 +131,7 @@ def test_every_kind_chooses_integer_products_it_can_run(cpu_kind):
 
 
 def test_a_failed_build_warns_once_and_keeps_the_reductions(monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels_cpu, "SOURCE", tmp_path / "broken.cpp")
+    monkeypatch.setattr(kernels_cpu, "SOURCES", (tmp_path / "broken.cpp",))
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     monkeypatch.setattr(kernels_cpu, "_loaded", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -223,7 +223,7 @@ def test_integer_products_everywhere_and_nowhere():
         kernels.integer_products("sometimes")
 
 
-# ---- one-query attention (kernels_cpu.cpp, AVX-512) -------------------------------------------------------------
+# ---- one-query attention (attention_cpu.cpp, AVX-512) -----------------------------------------------------------
 def one_query_kernel():
     ops = built("avx512-vnni")
     if not hasattr(ops, "one_query_attention"):
