@@ -24,6 +24,7 @@ from kv.params import N_SINKS, RECENT_WINDOW, Param, nonnegative, whole
 from kv.prompt import PromptCompressor, memoized
 from kv.scored import ScoredCache
 from kv.slots import INF
+from kv.storage import put_rows
 from model import KVFastError, ModelArgs, rope_frequencies
 
 N_SINK = 4  # kvpress's n_sink: the first queries are outliers for the statistics, the first keys always kept
@@ -183,7 +184,7 @@ class ExpectedAttentionCache(ScoredCache):
         if slot is None:
             self.v_norm[:, :, : norm.shape[2]] = norm
         else:
-            self.v_norm.scatter_(2, slot, norm)
+            put_rows(self.v_norm, slot, norm)
 
     def rotate_statistics(self, t: Tensor | int) -> None:
         """Rotate the query moments for the queries of positions t .. t + n_future_positions - 1."""

@@ -49,6 +49,7 @@ from torch import Tensor
 from kv.hybrid import PROTECTED, HybridCache
 from kv.params import GQA_REDUCE, N_SINKS, RECENT_WINDOW, Param, fraction
 from kv.prompt import OBS_WINDOW
+from kv.storage import put_rows
 
 PROFILES = ("special", "punct", "frequent", "local", "full")
 SPECIAL, PUNCT, FREQUENT, LOCAL, FULL = range(len(PROFILES))
@@ -243,7 +244,7 @@ class FastGenCache(HybridCache):
 
     def on_insert(self, slot: Tensor, k: Tensor, input_pos: Tensor) -> None:
         super().on_insert(slot, k, input_pos)
-        self.slot_class.scatter_(1, slot, self.new_class.view(-1, 1).expand_as(slot))
+        put_rows(self.slot_class, slot, self.new_class.view(-1, 1).expand_as(slot))
 
     def synthetic_state(self, generator: torch.Generator | None) -> None:
         self.score.copy_(torch.rand(self.score.shape, generator=generator))

@@ -144,8 +144,8 @@ class PoolCache(KVCache):
         """update() after the choice: KV head h's new key into slot[:, h] (kv.tiers demotes its old token first)."""
         B, H = slot.shape
         self.write_slots(slot, k[:, :, 0], v[:, :, 0])
-        self.slot_pos.scatter_(1, slot, input_pos.view(1, 1).expand(B, H))
-        self.slot_head.scatter_(1, slot, self.head_ids.view(1, H).expand(B, H))
+        put_rows(self.slot_pos, slot, input_pos.view(1, 1).expand(B, H))  # a scatter_ would copy every slot
+        put_rows(self.slot_head, slot, self.head_ids.view(1, H).expand(B, H))
         self.seen.copy_(input_pos + 1)
         self.on_insert(slot, k, input_pos)
         return *self.keys_values(), self.owned().unsqueeze(2)

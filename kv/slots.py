@@ -35,7 +35,7 @@ from torch import Tensor
 from kv.params import Configurable
 from kv.rollback import Rollback
 from kv.rows import RaggedRows
-from kv.storage import INF, SlotStorage
+from kv.storage import INF, SlotStorage, put_rows
 from kv.synthetic import SyntheticFill
 from kv.tierslots import TierSlots
 from model import KVFastError, ModelArgs
@@ -198,7 +198,7 @@ class KVCache(Configurable, Rollback, SyntheticFill, RaggedRows, TierSlots, Slot
         """update() after the choice: the new token into slot [B, H_kv] (kv.tiers demotes its old token first)."""
         B, H = slot.shape
         self.write_slots(slot.view(B, H, 1), k, v)
-        self.slot_pos.scatter_(2, slot.view(B, H, 1), input_pos.view(1, 1, 1).expand(B, H, 1))
+        put_rows(self.slot_pos, slot.view(B, H, 1), input_pos.view(1, 1, 1).expand(B, H, 1))
         self.seen.copy_(input_pos + 1)
         self.on_insert(slot, k, input_pos)
         return *self.keys_values(attention=True), (self.slot_pos >= 0).unsqueeze(2)
