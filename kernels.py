@@ -480,7 +480,7 @@ def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, dtype: torc
     if ops is not None and dtype in (torch.float32, torch.bfloat16) and (tiled or half_row % group == 0):
         return ops.int4_dequantize(packed, scales, offsets, dtype, tiled)
     if tiled:
-        packed, scales, offsets = untile_int4(packed, scales, offsets)
+        packed, scales, offsets = int4_rows(packed, scales, offsets)
     codes = torch.cat([packed & 15, packed >> 4], 1).view(out, n_groups, -1)
     return torch.addcmul(offsets[..., None], codes.to(scales.dtype), scales[..., None]).view(out, -1).to(dtype)
 
@@ -500,7 +500,7 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tile
     if path == "f-linear":
         return F.linear(x, dequantize_int4(packed, scales, offsets, x.dtype, tiled))
     if tiled:
-        packed, scales, offsets = untile_int4(packed, scales, offsets)
+        packed, scales, offsets = int4_rows(packed, scales, offsets)
     if path.startswith("int-dot") and int4_dot_fits(x.shape[-1], scales.shape[1]):
         return int_ops().int4_linear(x.float(), packed, scales, offsets).to(x.dtype)
     # sum_j x_j (q_j s + o) = sum_j x_j q_j s + o * (x's group sum). The nibbles are split with float
@@ -525,7 +525,8 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tile
 TILED_PATH = "int-dot-avx512-vnni"  # the path whose build reads tiles (int8_linear_tiled, int4_linear_tiled)
 
 
-def untile_int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def int4_rows(packed: Tensor, scales: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Tiled int4 codes, scales and offsets back in quantize.py's rows (kernels_cpu.untile_int4 is the codes' half)."""
     return kernels_cpu.untile_int4(packed), kernels_cpu.untile_groups(scales), kernels_cpu.untile_groups(offsets)
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attention import attend, prompt_attention
-from kernels import KVFastError, cpu, dequantize_int4, int4_linear, linear, untile_int4
+from kernels import KVFastError, cpu, dequantize_int4, int4_linear, int4_rows, linear
 from kernels_cpu import tiled_int8_rows, untile_int8
 from kv.contract import AttentionCache
 
@@ -492,7 +492,7 @@ class Int4Linear(TiledCodes, PromptWeight, nn.Module):
 
     def rows(self) -> dict[str, Tensor]:
         codes = (self.weight, self.scales, self.offsets)
-        return dict(zip(("weight", "scales", "offsets"), untile_int4(*codes) if self.tiled else codes))
+        return dict(zip(("weight", "scales", "offsets"), int4_rows(*codes) if self.tiled else codes))
 
     def dense_weight(self, dtype: torch.dtype) -> Tensor:
         return dequantize_int4(self.weight, self.scales, self.offsets, dtype, self.tiled)
