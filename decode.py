@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch._inductor import config as inductor_config
 
 from compilecache import guard_free, trust_cpu_vector_flags
-from kernels import dynamic_rows, tile_weights, time_int_paths
+from kernels import cpu, dynamic_rows, tile_weights, time_int_paths
 from kv import kvzip
 from kv.budgets import DYNAMIC_CAPACITY_CONFIG, mark_capacity_dynamic
 from kv.tiers import TierSpec
@@ -105,6 +105,24 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
 # rows holds ~0.3 GB of bfloat16 activations on Qwen2.5-0.5B; smaller blocks repeat oneDNN's per-call weight
 # packing: a 16k-token prefill's GEMMs took 7.0 s in blocks of 2048 and 5.2 s in blocks of 8192.
 DEFAULT_PREFILL_CHUNK = 8192
+
+
+PREFILL_DTYPES = ("auto", "float32", "bfloat16")  # --prefill-dtype
+
+
+def prefill_dtype(name: str | None, model: Transformer) -> torch.dtype | None:
+    """--prefill-dtype's precision of `model`'s prompt products (None: the compute dtype's). "auto": bfloat16
+    where the projections are stored in 16 bits or fewer (bf16, int8, int4 weights) and run on a CPU that
+    multiplies bfloat16 in hardware (AVX512-BF16 or AMX: kernels.CPU.bf16_dot), else the compute dtype. There
+    the prefill took 0.55 instead of 0.90 s for 512 tokens of SmolLM2 with int4 weights (an AMD EPYC, 2 cores),
+    for +0.1 % perplexity (docs/speed.md, "Prefill in bfloat16"); fp32 weights keep fp32 products."""
+    if name in (None, "auto"):
+        weight = model.layers[0].feed_forward.w13.weight
+        stored = weight.dtype in (torch.bfloat16, torch.int8, torch.uint8)
+        return torch.bfloat16 if stored and weight.device.type == "cpu" and cpu().bf16_dot else None
+    if name not in PREFILL_DTYPES:
+        raise KVFastError(f"unknown prefill dtype {name!r} (choose from {', '.join(PREFILL_DTYPES)})")
+    return getattr(torch, name)
 
 
 def prompt_logits(model: Transformer, idx: Tensor, chunk: int | None, dtype: torch.dtype | None) -> Tensor:
@@ -312,7 +330,7 @@ class Decoder:
         self.skip_guards = compile
         if prefill_chunk is not None and prefill_chunk < 1:
             raise KVFastError(f"the prefill chunk must be >= 1 token, got {prefill_chunk}")
-        self.prefill_compiled = compile_prefill
+        self.prefill_compiled, self.prefill_dtype = compile_prefill, prefill_dtype
         self.prefill = partial(prefill, chunk=prefill_chunk, dtype=prefill_dtype)
         self.steps = {recall: STEPS[recall, False] for recall in (False, True)}
         self.refresh, self.flush = WORK["refresh", False], WORK["flush", False]

@@ -464,7 +464,7 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool 
     else:
         weight = weight.to(x.dtype)  # no-op for weights in the compute dtype
         y = per_row(x, lambda row: (row * weight).sum(-1)) if path == "reductions" else F.linear(x, weight)
-    return y if scales is None else y * scales
+    return y if scales is None else (y * scales).to(x.dtype)  # fp32 scales: bfloat16 rows stay bfloat16
 
 
 def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, dtype: torch.dtype | None = None,

@@ -17,6 +17,7 @@ import torch
 
 import kernels
 from benchmarks.common import Bench, Flag, copy_bandwidth, interleaved, median_time, ours_run, row, table
+from decode import PREFILL_DTYPES, prefill_dtype
 from kv.quant import kv_format
 from model import KVFastError, Transformer
 
@@ -86,7 +87,7 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
                 m = models[mode] if bits is None else copy.deepcopy(models[mode])
                 kv, name = kv_format(bits, args.kv_float)
                 run = ours_run(m, prompt, args.new_tokens, True, kv,  # its Decoder times the integer kernels
-                               getattr(torch, args.prefill_dtype))
+                               prefill_dtype(args.prefill_dtype, m))
                 path = kernels.linear_path(WEIGHT_DTYPES[mode.split("-")[0]], 1)  # the kernel each projection took
                 runs[f"kvfast compiled ({mode} {path}" + (f", {name} K/V)" if bits else ")")] = run
         if "llama.cpp" in args.peers:
@@ -118,7 +119,7 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
     caption = (f"prompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
                f"greedy, median of {args.repeats} (the engines' runs alternating); compiled = one graph per step "
                f"(--compile-scope step), its attention over float K/V: {kernels.attention_path()}, its prefill's "
-               f"products in {args.prefill_dtype}; copy bandwidth {bandwidth / 1e9:.1f} GB/s before the table, "
+               f"products: --prefill-dtype {args.prefill_dtype} (in the prefill column); copy bandwidth {bandwidth / 1e9:.1f} GB/s before the table, "
                f"{bandwidths(rows, 'copy_bw_GBs')} GB/s at the start of each round; read bandwidth "
                f"{bandwidths(rows, 'read_bw_GBs')} GB/s")
     if peer:
@@ -132,7 +133,8 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
         vs_peer = " / ".join(f"{r['tok_s'] / p['tok_s']:.2f}x" for p in peers.values()) or "-"
         floor = f"{r['floor_pct']:.0f} % / {r['read_floor_pct']:.0f} %" if "floor_pct" in r else "-"
         same = f"{agreement(r['tokens'], ref)} of {len(ref)}" if ref and "tokens" in r else "-"
-        row(name, f"{r['prefill_s']:.2f}", f"{r['tok_s']:.1f}", vs_hf, vs_peer, floor, same)
+        products = f" ({r['prefill_products']})" if "prefill_products" in r else ""
+        row(name, f"{r['prefill_s']:.2f}{products}", f"{r['tok_s']:.1f}", vs_hf, vs_peer, floor, same)
 
 
 BENCH = Bench(__doc__, bench_engine, {
@@ -149,7 +151,7 @@ BENCH = Bench(__doc__, bench_engine, {
     "llamacpp_formats": Flag(["Q8_0", "Q4_0", "Q4_1"], "llama.cpp's weight formats, a row each: the default "
                              "GGUF (Q4_1) re-quantized once with the gguf package (scripts/peer_llamacpp_formats.py)",
                              {"nargs": "+", "choices": ["Q8_0", "Q4_0", "Q4_1"]}),
-    "prefill_dtype": Flag("float32", "precision of the compiled rows' prefill products (generate.py "
-                          "--prefill-dtype; the eager row keeps fp32)", {"choices": ["float32", "bfloat16"]}),
+    "prefill_dtype": Flag("auto", "precision of the compiled rows' prefill products (generate.py "
+                          "--prefill-dtype; the eager row keeps fp32)", {"choices": list(PREFILL_DTYPES)}),
     "skip_hf": Flag(False, "leave out the HF transformers row", {"action": "store_true"}),
 })

@@ -46,10 +46,15 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
             with torch.inference_mode(), kernels.integer_products("everywhere" if integer else "nowhere"):
                 lp = F.log_softmax(m(ids, all_logits=True)[0, :-1], -1)
             nll = -lp.gather(-1, ids[0, 1:, None]).mean()
+            bf16_ppl = None  # the same forward with bfloat16 products (--prefill-dtype bfloat16, auto's choice)
+            if not integer:
+                with torch.inference_mode(), kernels.integer_products("nowhere"):
+                    lp16 = F.log_softmax(m(ids, all_logits=True, prefill_dtype=torch.bfloat16)[0, :-1].float(), -1)
+                bf16_ppl = (-lp16.gather(-1, ids[0, 1:, None]).mean()).exp().item()
             with contextlib.nullcontext() if integer else kernels.integer_products("nowhere"):
                 speed = time_ours(m, prompt, args.new_tokens, True, args.repeats)
             rows[f"{mode} ({path})" if dtype else mode] = {
-                "weight_MB": m.weight_bytes() / 1e6, "ppl": nll.exp().item(),
+                "weight_MB": m.weight_bytes() / 1e6, "ppl": nll.exp().item(), "ppl_bf16_products": bf16_ppl,
                 "kl": (ref.exp() * (ref - lp)).sum(-1).mean().item(),
                 "top1": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(), **speed}
             torch._dynamo.reset()
@@ -57,10 +62,12 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
     table(f"weights quantized in memory (quantize.quantize_model); decode: compiled, prompt {args.prompt_len[0]}, "
           f"{args.new_tokens} new tokens, median of {args.repeats}; quality: {ids.shape[1]} tokens of "
           f"{args.quality_text!r} teacher-forced, KL(fp32 || mode) and top-1 agreement per position",
-          ["weights", "MB", "decode tok/s", "vs fp32", "perplexity", "KL vs fp32", "top-1 vs fp32"])
+          ["weights", "MB", "decode tok/s", "vs fp32", "perplexity", "KL vs fp32", "top-1 vs fp32",
+           "perplexity, bfloat16 products (a prefill's)"])
     for mode, r in rows.items():
+        bf16 = "-" if r["ppl_bf16_products"] is None else f"{r['ppl_bf16_products']:.2f}"
         row(mode, f"{r['weight_MB']:.0f}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / fp32:.2f}x", f"{r['ppl']:.2f}",
-            f"{r['kl']:.4f}", f"{r['top1']:.3f}")
+            f"{r['kl']:.4f}", f"{r['top1']:.3f}", bf16)
     return rows
 
 

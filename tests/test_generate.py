@@ -85,6 +85,7 @@ def test_cli_generates_and_reports(tiny_checkpoint, capsys):
     assert code == 0, err
     for figure in ("prefill time", "decode:", "bandwidth achieved", "peak memory", "KV cache physical bytes"):
         assert figure in out
+    assert "(float32 products)" in out  # fp32 weights: --prefill-dtype auto keeps fp32 on every CPU
 
 
 def corrupt(tmp_path: Path, checkpoint: Path, how: str) -> Path:

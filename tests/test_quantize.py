@@ -134,6 +134,29 @@ def check_dequantized_weights_and_compiled_decode(mode: str) -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "int8", "int4"])
+def test_auto_prefill_dtype_is_bfloat16_for_stored_weights_on_bfloat16_cpus(mode, cpu_kind):
+    model = quantize.quantize_model(tiny_model(), mode, 32) if mode != "fp32" else tiny_model()
+    hardware_bf16 = cpu_kind in ("avx512-bf16", "amx")
+    assert decode.prefill_dtype("auto", model) == (torch.bfloat16 if mode != "fp32" and hardware_bf16 else None)
+    assert decode.prefill_dtype("float32", model) == torch.float32
+    assert decode.prefill_dtype("bfloat16", model) == torch.bfloat16
+    with pytest.raises(KVFastError, match="unknown prefill dtype 'float8'"):
+        decode.prefill_dtype("float8", model)
+
+
+def test_int8_prompt_product_in_bfloat16_stays_bfloat16():
+    """A prompt's bfloat16 rows through int8 weights come back in bfloat16 (the fp32 row scales once promoted
+    them, so the next product ran in fp32), equal to the float product up to the output's two roundings."""
+    layer = quantize.quantize_model(tiny_model(), "int8", 32).layers[0].feed_forward.w13
+    x = torch.randn(40, TINY.dim).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    expected = x.float() @ (layer.weight.float() * layer.scales[:, None]).T
+    assert_numerically_close(y.float(), expected, depth=TINY.dim, storage=torch.bfloat16, roundings=2)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
 def test_quantize_cli_round_trip_and_generate(mode, tiny_checkpoint, tmp_path, capsys):  # noqa: F811
     ckpt = tmp_path / "ckpt"
