@@ -200,9 +200,15 @@ inline __m512 int8_tile_dots(const uint8_t* w, const QRow& r, int64_t in) {
   return acc;
 }
 
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {  // 16 float16 values, widened exactly
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // int4 tile: [in / 8][16 rows][4 bytes], byte i of a row holding column 8c + i in its low nibble and 8c + 4 + i in
-// its high one; scales and offsets [n_groups][16 rows].
-inline __m512 int4_tile_dots(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in,
+// its high one; scales and offsets [n_groups][16 rows], fp32 or float16 (S).
+template <typename S>
+inline __m512 int4_tile_dots(const uint8_t* w, const S* ws, const S* off, const QRow& r, int64_t in,
                              int64_t group) {
   // the high nibbles are multiplied in place (16 x code, at most 240 * 127 * 32 in a block: no overflow) and
   // the low ones' sums scaled by 16 to match, which saves a shift per load; d / 16 undoes it (exact).
@@ -225,8 +231,8 @@ inline __m512 int4_tile_dots(const uint8_t* w, const float* ws, const float* off
                                            _mm512_add_epi32(hi[0], hi[1]));
       gacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(r.d_lane[b / 4] * 0.0625f), gacc);
     }
-    acc = _mm512_fmadd_ps(gacc, _mm512_loadu_ps(ws + g * TR), acc);
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(off + g * TR), _mm512_set1_ps(r.group_sum[g]), acc);
+    acc = _mm512_fmadd_ps(gacc, load16(ws + g * TR), acc);
+    acc = _mm512_fmadd_ps(load16(off + g * TR), _mm512_set1_ps(r.group_sum[g]), acc);
   }
   return acc;
 }
@@ -430,17 +436,22 @@ at::Tensor int8_linear_tiled(const at::Tensor& x_, const at::Tensor& codes_, con
 at::Tensor int4_linear_tiled(const at::Tensor& x_, const at::Tensor& packed_, const at::Tensor& scales_,
                              const at::Tensor& offsets_) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat && packed_.scalar_type() == at::kByte, "int4_linear_tiled: float x, uint8 tiles");
+  // float16 scales and offsets (kernels.retile keeps them so where quantize.py made them exact) are read as such
+  const bool half = scales_.scalar_type() == at::kHalf && offsets_.scalar_type() == at::kHalf;
+  const at::ScalarType stored = half ? at::kHalf : at::kFloat;
   const at::Tensor x = x_.contiguous(), packed = packed_.contiguous();
-  const at::Tensor scales = scales_.to(at::kFloat).contiguous(), offsets = offsets_.to(at::kFloat).contiguous();
+  const at::Tensor scales = scales_.to(stored).contiguous(), offsets = offsets_.to(stored).contiguous();
   const int64_t in = x.size(-1), out = packed.size(0), n_groups = scales.size(1), group = in / n_groups;
   TORCH_CHECK(packed.size(1) * 2 == in && group % QK == 0 && n_groups * group == in && out % TR == 0,
               "int4_linear_tiled: groups of a multiple of 32 columns, out a multiple of 16");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets.data_ptr<float>();
-  return over_tiles(x, out, quantize_rows(x, group), [&](int64_t t, const QRow& r) {
-    return int4_tile_dots(wp + t * TR * in / 2, sp + t * TR * n_groups, op + t * TR * n_groups, r, in, group);
-  });
+  const auto product = [&](const auto* sp, const auto* op) {
+    return over_tiles(x, out, quantize_rows(x, group), [&](int64_t t, const QRow& r) {
+      return int4_tile_dots(wp + t * TR * in / 2, sp + t * TR * n_groups, op + t * TR * n_groups, r, in, group);
+    });
+  };
+  return half ? product(scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>())
+              : product(scales.data_ptr<float>(), offsets.data_ptr<float>());
 }
 #endif
 

@@ -58,13 +58,25 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return codes, scales
 
 
+def float16_bound(x: Tensor, up: bool) -> Tensor:
+    """x (fp32) rounded to a float16 value at or above it (up) or at or below it, returned as fp32; values beyond
+    float16's range stay as they are."""
+    h = x.half()
+    past = h.float() < x if up else h.float() > x
+    h = torch.where(past, torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf"))), h)
+    return torch.where(h.isinf(), x, h.float())
+
+
 def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """[out, in] float -> packed codes uint8 [out, in / 2] (column j in the low nibble, j + in / 2 in the high),
-    scales and offsets [out, in / group_size]: weight ~ codes * scale + offset within each group of columns."""
+    scales and offsets [out, in / group_size]: weight ~ codes * scale + offset within each group of columns.
+    Scales and offsets are fp32 values that float16 holds exactly (as Q4_1's): the AVX-512 kernels' tiles keep
+    them in 16 bits (kernels.retile), a sixth of an int4 step's bytes. Offsets round down and scales up, so
+    offset + 15 * scale still spans each group."""
     out, n_in = weight.shape
     w = weight.float().view(out, n_in // group_size, group_size)
-    low, high = w.amin(-1), w.amax(-1)
-    scales = ((high - low) / 15).clamp(min=1e-12)
+    low = float16_bound(w.amin(-1), up=False)
+    scales = float16_bound(((w.amax(-1) - low) / 15).clamp(min=2 ** -24), up=True)  # 2^-24: float16's least
     codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8).view(out, n_in)
     return codes[:, : n_in // 2] | (codes[:, n_in // 2 :] << 4), scales, low
 

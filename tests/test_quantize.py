@@ -43,6 +43,10 @@ def test_int4_packing_and_error_bound(group_size):
     assert torch.allclose(code * scales[:, group] + offsets[:, group], dequantize_int4(packed, scales, offsets)[:, col])
     err = (dequantize_int4(packed, scales, offsets) - w).view(24, -1, group_size).abs()
     assert torch.all(err <= scales[..., None] / 2 + 1e-5)
+    # scales and offsets are float16 values (the tiles keep them in 16 bits) that still span each group
+    assert all(torch.equal(t.half().float(), t) for t in (scales, offsets))
+    groups = w.view(24, -1, group_size)
+    assert torch.all(offsets <= groups.amin(-1)) and torch.all(offsets + 15 * scales >= groups.amax(-1))
 
 
 @pytest.mark.parametrize("mode", ["fp32", "int8", "int4", "bf16"])

@@ -50,6 +50,22 @@ def test_tiled_kernels_equal_the_float64_product_of_their_operands(shape):
             x, kernels_cpu.tile_int4(packed), kernels_cpu.tile_groups(scales), kernels_cpu.tile_groups(offsets)))
 
 
+def test_int4_tiles_keep_float16_scales_where_exact_and_multiply_as_with_fp32():
+    """quantize_int4's scales and offsets are float16 values: the tiles hold them in 16 bits, and the kernel's
+    products are the fp32 tiles' bit for bit. An older checkpoint's fp32 scales stay fp32 in tiles."""
+    ops = tiled_ops()
+    rows, tiled = layer_pair("int4", 48, 256)
+    assert tiled.scales.dtype == tiled.offsets.dtype == torch.float16
+    fp32_tiles = [kernels_cpu.tile_groups(t) for t in (rows.scales, rows.offsets)]
+    x = torch.randn(3, 256)
+    assert torch.equal(ops.int4_linear_tiled(x, tiled.weight, tiled.scales, tiled.offsets),
+                       ops.int4_linear_tiled(x, tiled.weight, *fp32_tiles))
+    old = layer_pair("int4", 48, 256, tile=False)[0]
+    old.scales += 1e-6  # not float16 values
+    kernels.retile(old, True)
+    assert old.scales.dtype == torch.float32 and torch.equal(old.rows()["scales"], rows.scales + 1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tiled_int4_weight_dequantizes_to_the_rows_values(dtype):
     """The prompt's dense copy: the C++ one-pass kernel reads tiles bit for bit as rows, and so does the torch
