@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import attention_path, int_ops, realized
+from kernels import attention_path, int_ops, prompt_attention_path, realized
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: bool,
@@ -96,6 +96,9 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
     in two fused passes, over the earlier keys (all visible) and causally over its own, merged by their
     log-sum-exps: no mask, no L x (start + L) matrix per head."""
     if start == 0:
+        if (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in (64, 128)
+                and not torch.compiler.is_compiling() and prompt_attention_path() == "causal-avx512-bf16"):
+            return int_ops().prompt_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     own, own_lse = attention_lse(q, k[:, :, start:], v[:, :, start:], causal=True)
     past, past_lse = attention_lse(q, k[:, :, :start], v[:, :, :start])
