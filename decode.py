@@ -347,11 +347,11 @@ class Decoder:
             require_configured(self.scope == "block", self.dynamic_capacity)
         if compile:
             if device == "cpu":  # before tracing: the step keeps the kernels it is traced with
-                time_int_paths([m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))])
+                quantized = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear, Int8Embedding))]
+                time_int_paths([m for m in quantized if not isinstance(m, Int8Embedding)], quantized)
                 rows = max((c.batch_size for c in getattr(model, "caches", None) or [] if hasattr(c, "batch_size")),
                            default=1)
-                tile_weights([m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear, Int8Embedding))],
-                             rows)
+                tile_weights(quantized, rows)
             self._compile()
         if compile_prefill:
             if kvzip.needs_context_pass(model):

@@ -134,8 +134,8 @@ def force_cpu(kind: str | None) -> _Restore:
 
 
 def _choose(kind: str | None) -> None:
-    global _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS, _ATTENTION_PATH
-    _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS, _ATTENTION_PATH = None, kind, None, None, None
+    global _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS, _ATTENTION_PATH, _PROMPT_ATTENTION_PATH
+    _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS, _ATTENTION_PATH, _PROMPT_ATTENTION_PATH = None, kind, None, None, None, None
     torch._dynamo.reset()
 
 
@@ -209,7 +209,7 @@ WEIGHT_NAMES = {torch.int8: "int8", torch.uint8: "int4"}  # the weight formats o
 MIN_TIMED_COLUMNS = 256  # narrower products (the tests' tiny models) say nothing of a real model's: not timed
 
 
-def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
+def time_int_paths(layers: list[torch.nn.Module], tiled_before: list[torch.nn.Module] = ()) -> dict[torch.dtype, bool]:
     """Time one token through `layers` (every int8 / int4 projection of a model, so that the weights stream from
     memory as in a step: one block's stay in the cache, where on an AMD EPYC the int8 integer products won 85 to
     150 us and lost 6.3 to 4.3 ms over the whole model) both ways, compiled: the integer kernels (over tiles where
@@ -217,12 +217,21 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
     ~/.cache/kvfast/choices.json under this CPU's name and flags, the thread count, torch's version, the kernels'
     source and the shapes, and int_paths() follows it. Not under a forced CPU kind (KVFAST_CPU), and not for
     products narrower than MIN_TIMED_COLUMNS. Call it before compiling a step (decode.Decoder does): a compiled
-    graph keeps the kernels it was traced with."""
+    graph keeps the kernels it was traced with. The dtypes of layers an earlier Decoder tiled (`layers` and
+    `tiled_before`, e.g. the tied head) keep the integer kernels without timing: a new timing that flipped to the
+    reductions would leave their tiles to be untiled inside every step (13 instead of 98 tok/s)."""
     global _INT_PATHS
     chip, base = cpu(), int_paths(timed=False)
-    layers = [m for m in layers if m.weight.dtype in base and columns(m) >= MIN_TIMED_COLUMNS]
-    if chip.forced is not None or not layers:
+    kept = {m.weight.dtype for m in [*layers, *tiled_before] if m.tiled}
+    if any(not _TIMED.get(d, False) for d in kept):
+        _TIMED.update({d: True for d in kept})
+        _INT_PATHS = None
+    layers = [m for m in layers if m.weight.dtype in base and m.weight.dtype not in kept
+              and columns(m) >= MIN_TIMED_COLUMNS]
+    if chip.forced is not None:
         return {}
+    if not layers:
+        return dict(_TIMED)
     by_dtype = {WEIGHT_NAMES[d]: [m for m in layers if m.weight.dtype == d]
                 for d in INT_DTYPES if any(m.weight.dtype == d for m in layers)}
     shapes = Counter(f"{n}{tuple(m.weight.shape)}" for n, ms in by_dtype.items() for m in ms)
@@ -233,7 +242,6 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
     def faster(name: str) -> tuple[bool, float, float]:
         mods = by_dtype[name]
         xs = [torch.randn(1, 1, columns(m)) for m in mods]
-        was_tiled = [m.tiled for m in mods]  # a model a Decoder tiled before: handed back as found
 
         def products(*xs: Tensor) -> list[Tensor]:
             return [m(x) for m, x in zip(mods, xs)]
@@ -259,8 +267,8 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
             try:
                 t_int, t_red = compiled_seconds(base), compiled_seconds({})
             finally:
-                for m, tiled in zip(mods, was_tiled):
-                    retile(m, tiled)
+                for m in mods:  # handed back in rows: the Decoder tiles after choosing
+                    retile(m, False)
         return t_int <= t_red, t_int, t_red
 
     wins = kernels_cpu.remembered_choice(key, list(by_dtype), faster)
@@ -301,6 +309,22 @@ def attention_path() -> str:
         ops = kernels_cpu.ops(isa) if isa == "avx512-vnni" else None
         _ATTENTION_PATH = "one-query-avx512" if ops is not None and hasattr(ops, "one_query_attention") else "reductions"
     return _ATTENTION_PATH
+
+
+_PROMPT_ATTENTION_PATH: str | None = None  # prompt_attention_path(), filled at first use
+
+
+def prompt_attention_path() -> str:
+    """The kernel of a prompt's causal attention in bfloat16 on CPU: "causal-avx512-bf16" (attention_cpu.cpp: both
+    products on vdpbf16ps, 3-5x ATen's flash attention on an AMD EPYC, docs/speed.md) where the CPU has
+    AVX512-BF16 but no AMX, whose tiles ATen's flash attention uses; else "flash" (ATen's)."""
+    global _PROMPT_ATTENTION_PATH
+    if _PROMPT_ATTENTION_PATH is None:
+        chip, native = cpu(), native_cpu()
+        ops = kernels_cpu.ops("avx512-vnni") if kernels_cpu.isa_of(chip, native) == "avx512-vnni" else None
+        fits = chip.avx512_bf16 and native.avx512_bf16 and not chip.amx_bf16
+        _PROMPT_ATTENTION_PATH = "causal-avx512-bf16" if fits and hasattr(ops, "prompt_attention") else "flash"
+    return _PROMPT_ATTENTION_PATH
 
 
 def int_ops() -> object:
@@ -451,6 +475,13 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool 
     if tiled:
         if path == TILED_PATH:
             return int_ops().int8_linear_tiled(x.float(), weight, scales).to(x.dtype)
+        eager = tiled_eager_ops(x)
+        if path == "int8-gemv" and eager is not None and scales is not None:
+            # a prompt's last row through the tied head: the step's kernel, not a copy of the head in rows
+            return eager.int8_linear_tiled(x.float(), weight, scales).to(x.dtype)
+        if path == "f-linear" and eager is not None and x.dtype in (torch.float32, torch.bfloat16):
+            y = F.linear(x, eager.int8_dequantize(weight, x.dtype, True))  # one pass: the codes, exact
+            return y if scales is None else (y * scales).to(x.dtype)
         weight = kernels_cpu.untile_int8(weight)
     if path.startswith("int-dot") and scales is not None:
         return int_ops().int8_linear(x.float(), weight, scales).to(x.dtype)
@@ -465,6 +496,13 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool 
         weight = weight.to(x.dtype)  # no-op for weights in the compute dtype
         y = per_row(x, lambda row: (row * weight).sum(-1)) if path == "reductions" else F.linear(x, weight)
     return y if scales is None else (y * scales).to(x.dtype)  # fp32 scales: bfloat16 rows stay bfloat16
+
+
+def tiled_eager_ops(x: Tensor) -> object | None:
+    """The AVX-512 build, which reads tiles, for an eager CPU product of x with tiled codes (None: untile in torch)."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or not native_cpu().avx512_vnni:
+        return None
+    return kernels_cpu.ops("avx512-vnni")
 
 
 def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, dtype: torch.dtype | None = None,

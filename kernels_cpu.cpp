@@ -505,6 +505,35 @@ at::Tensor int4_dequantize(const at::Tensor& packed_, const at::Tensor& scales_,
   return w;
 }
 
+// int8 codes in rows or in tile_int8's tiles -> [out, in] float32 / bfloat16 codes, unscaled and exact (|code| <= 127):
+// a prompt's GEMM scales its output rows. One pass over the codes: untiling and converting in torch took three.
+at::Tensor int8_dequantize(const at::Tensor& codes_, at::ScalarType dtype, bool tiled) {
+  TORCH_CHECK(codes_.scalar_type() == at::kChar && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "int8_dequantize: int8 codes to float32 or bfloat16");
+  const at::Tensor codes = codes_.contiguous();
+  const int64_t out = codes.size(0), in = codes.size(1);
+  TORCH_CHECK(!tiled || (out % TR == 0 && in % 4 == 0), "int8_dequantize: tiles are whole 16 rows x 4 columns");
+  at::Tensor w = at::empty({out, in}, codes.options().dtype(dtype));
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const int64_t t = o / TR, lane = o % TR;
+      const auto code = [&](int64_t j) -> float {  // a tile's byte is code + 128: xor 0x80 restores the int8
+        return tiled ? static_cast<float>(static_cast<int8_t>(cp[((t * (in / 4) + j / 4) * TR + lane) * 4 + j % 4] ^ 0x80))
+                     : static_cast<float>(cp[o * in + j]);
+      };
+      if (dtype == at::kFloat) {
+        float* dst = w.data_ptr<float>() + o * in;
+        for (int64_t j = 0; j < in; ++j) dst[j] = code(j);
+      } else {
+        at::BFloat16* dst = w.data_ptr<at::BFloat16>() + o * in;
+        for (int64_t j = 0; j < in; ++j) dst[j] = at::BFloat16(code(j));
+      }
+    }
+  });
+  return w;
+}
+
 // The activations exactly as the products see them: q [..., in] int8 and the block scales [..., in / 32]
 // (tests compare against a float64 product of these).
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_) {
@@ -530,6 +559,7 @@ TORCH_LIBRARY(KVFAST_NS, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
   m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor offsets, ScalarType dtype, bool tiled=False) -> Tensor");
+  m.def("int8_dequantize(Tensor codes, ScalarType dtype, bool tiled=False) -> Tensor");
 #if defined(KVFAST_AVX512)
   m.def("int8_linear_tiled(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int4_linear_tiled(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
@@ -541,6 +571,7 @@ TORCH_LIBRARY_IMPL(KVFAST_NS, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("quantize_activations", &quantize_activations);
   m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("int8_dequantize", &int8_dequantize);
 #if defined(KVFAST_AVX512)
   m.impl("int8_linear_tiled", &int8_linear_tiled);
   m.impl("int4_linear_tiled", &int4_linear_tiled);

@@ -160,3 +160,35 @@ def test_a_batch_that_takes_a_gemm_keeps_its_int8_rows():
         assert kernels.tile_weights([int8, int4], rows=8) == 1
         assert int4.tiled and not int8.tiled
         assert kernels.tile_weights([int8], rows=1) == 1 and int8.tiled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_through_tiled_int8_codes_equals_the_rows_product(dtype):
+    """A prompt's rows reach tiled int8 codes through int8_dequantize (one pass, exact codes), a prompt's last row
+    through the tied head through the step's tiled kernel: the rows' products, bit for bit and up to the
+    activations' Q8_0 rounding respectively."""
+    ops = tiled_ops()
+    rows, tiled = layer_pair("int8")
+    assert torch.equal(ops.int8_dequantize(tiled.weight, dtype, True), rows.weight.to(dtype))
+    assert torch.equal(ops.int8_dequantize(rows.weight, dtype, False), rows.weight.to(dtype))
+    x = torch.randn(30, 128).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(tiled(x), rows(x))
+        one = torch.randn(1, 1, 128)
+        got = kernels.linear(one, tiled.weight, tiled.scales, tiled=True)  # eager, one row: "int8-gemv" in rows
+        with kernels.integer_products("everywhere"):
+            want = rows(one)
+    assert_numerically_close(got, want, depth=128 + 4)
+
+
+def test_timing_keeps_the_integer_kernels_of_what_a_decoder_tiled(monkeypatch):
+    """A model tiled by an earlier Decoder is not timed again: a flip to the reductions would untile its codes
+    (and its tied head's) inside every step."""
+    tiled_ops()
+    linear, head = layer_pair("int8", 48, 256, tile=False)[0], quantize.Int8Embedding(48, 64)
+    head.weight, head.scales = quantize.quantize_int8(torch.randn(48, 64))
+    kernels.retile(head, True)
+    monkeypatch.setattr(kernels, "_TIMED", {})
+    monkeypatch.setattr(kernels_cpu, "remembered_choice", lambda *a: pytest.fail("timed a kept dtype"))
+    assert kernels.time_int_paths([linear], [linear, head]) == {torch.int8: True}
+    assert kernels.int_path(torch.int8) == kernels.TILED_PATH
