@@ -348,7 +348,7 @@ class Decoder:
         if compile:
             if device == "cpu":  # before tracing: the step keeps the kernels it is traced with
                 quantized = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear, Int8Embedding))]
-                time_int_paths([m for m in quantized if not isinstance(m, Int8Embedding)], quantized)
+                time_int_paths(quantized)
                 rows = max((c.batch_size for c in getattr(model, "caches", None) or [] if hasattr(c, "batch_size")),
                            default=1)
                 tile_weights(quantized, rows)

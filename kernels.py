@@ -209,20 +209,21 @@ WEIGHT_NAMES = {torch.int8: "int8", torch.uint8: "int4"}  # the weight formats o
 MIN_TIMED_COLUMNS = 256  # narrower products (the tests' tiny models) say nothing of a real model's: not timed
 
 
-def time_int_paths(layers: list[torch.nn.Module], tiled_before: list[torch.nn.Module] = ()) -> dict[torch.dtype, bool]:
-    """Time one token through `layers` (every int8 / int4 projection of a model, so that the weights stream from
+def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
+    """Time one token through `layers` (every int8 / int4 projection of a model and its int8 head, which weighs a
+    fifth of SmolLM2's int8 projections and alone decides int8 for an int4 model; so that the weights stream from
     memory as in a step: one block's stay in the cache, where on an AMD EPYC the int8 integer products won 85 to
     150 us and lost 6.3 to 4.3 ms over the whole model) both ways, compiled: the integer kernels (over tiles where
     they read tiles) and Inductor's reductions. Once per machine and model: the result is remembered in
     ~/.cache/kvfast/choices.json under this CPU's name and flags, the thread count, torch's version, the kernels'
     source and the shapes, and int_paths() follows it. Not under a forced CPU kind (KVFAST_CPU), and not for
     products narrower than MIN_TIMED_COLUMNS. Call it before compiling a step (decode.Decoder does): a compiled
-    graph keeps the kernels it was traced with. The dtypes of layers an earlier Decoder tiled (`layers` and
-    `tiled_before`, e.g. the tied head) keep the integer kernels without timing: a new timing that flipped to the
-    reductions would leave their tiles to be untiled inside every step (13 instead of 98 tok/s)."""
+    graph keeps the kernels it was traced with. The dtypes of layers an earlier Decoder tiled keep the integer
+    kernels without timing: a new timing that flipped to the reductions would leave their tiles to be untiled
+    inside every step (13 instead of 98 tok/s)."""
     global _INT_PATHS
     chip, base = cpu(), int_paths(timed=False)
-    kept = {m.weight.dtype for m in [*layers, *tiled_before] if m.tiled}
+    kept = {m.weight.dtype for m in layers if m.tiled}
     if any(not _TIMED.get(d, False) for d in kept):
         _TIMED.update({d: True for d in kept})
         _INT_PATHS = None
@@ -243,8 +244,9 @@ def time_int_paths(layers: list[torch.nn.Module], tiled_before: list[torch.nn.Mo
         mods = by_dtype[name]
         xs = [torch.randn(1, 1, columns(m)) for m in mods]
 
-        def products(*xs: Tensor) -> list[Tensor]:
-            return [m(x) for m, x in zip(mods, xs)]
+        def products(*xs: Tensor) -> list[Tensor]:  # the head's too (an Int8Embedding's forward is its lookup)
+            return [int4_linear(x, m.weight, m.scales, m.offsets, m.tiled) if m.weight.dtype == torch.uint8
+                    else linear(x, m.weight, m.scales, m.tiled) for m, x in zip(mods, xs)]
 
         def compiled_seconds(paths: dict[torch.dtype, str]) -> float:
             """Both sides compiled, as a step calls them (timed eagerly, the integer kernels paid ~10 us of Python

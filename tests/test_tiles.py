@@ -190,5 +190,5 @@ def test_timing_keeps_the_integer_kernels_of_what_a_decoder_tiled(monkeypatch):
     kernels.retile(head, True)
     monkeypatch.setattr(kernels, "_TIMED", {})
     monkeypatch.setattr(kernels_cpu, "remembered_choice", lambda *a: pytest.fail("timed a kept dtype"))
-    assert kernels.time_int_paths([linear], [linear, head]) == {torch.int8: True}
+    assert kernels.time_int_paths([linear, head]) == {torch.int8: True}
     assert kernels.int_path(torch.int8) == kernels.TILED_PATH
