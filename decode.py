@@ -114,8 +114,8 @@ def prefill_dtype(name: str | None, model: Transformer) -> torch.dtype | None:
     """--prefill-dtype's precision of `model`'s prompt products (None: the compute dtype's). "auto": bfloat16
     where the projections are stored in 16 bits or fewer (bf16, int8, int4 weights) and run on a CPU that
     multiplies bfloat16 in hardware (AVX512-BF16 or AMX: kernels.CPU.bf16_dot), else the compute dtype. There
-    the prefill took 0.55 instead of 0.90 s for 512 tokens of SmolLM2 with int4 weights (an AMD EPYC, 2 cores),
-    for +0.1 % perplexity (docs/speed.md, "Prefill in bfloat16"); fp32 weights keep fp32 products."""
+    the prefill took 0.48 instead of 0.93 s for 512 tokens of SmolLM2 with int4 weights (an AMD EPYC, 2 cores),
+    for +0.2 % perplexity (docs/speed.md, "Prefill in bfloat16"); fp32 weights keep fp32 products."""
     if name in (None, "auto"):
         weight = model.layers[0].feed_forward.w13.weight
         stored = weight.dtype in (torch.bfloat16, torch.int8, torch.uint8)

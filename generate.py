@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-dtype", choices=PREFILL_DTYPES, default="auto",
                    help="precision of the prefill's products; K/V and statistics stay in the compute dtype. "
                         "auto: bfloat16 for bf16 / int8 / int4 weights on a CPU with AMX or AVX512-BF16 (1.4-3x "
-                        "fp32's speed, +0.1%% perplexity), else the compute dtype")
+                        "fp32's speed, +0.2%% perplexity at most), else the compute dtype")
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
                    help="torch.compile mode of the decode step and the refresh (default: reduce-overhead, "
                         "i.e. CUDA graphs, on CUDA; default on CPU, where reduce-overhead is an error)")

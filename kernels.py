@@ -318,7 +318,7 @@ _PROMPT_ATTENTION_PATH: str | None = None  # prompt_attention_path(), filled at 
 
 def prompt_attention_path() -> str:
     """The kernel of a prompt's causal attention in bfloat16 on CPU: "causal-avx512-bf16" (attention_cpu.cpp: both
-    products on vdpbf16ps, 3-5x ATen's flash attention on an AMD EPYC, docs/speed.md) where the CPU has
+    products on vdpbf16ps, 2-3x ATen's flash attention at 512-2048 tokens on an AMD EPYC, docs/speed.md) where the CPU has
     AVX512-BF16 but no AMX, whose tiles ATen's flash attention uses; else "flash" (ATen's)."""
     global _PROMPT_ATTENTION_PATH
     if _PROMPT_ATTENTION_PATH is None:
