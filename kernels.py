@@ -135,7 +135,8 @@ def force_cpu(kind: str | None) -> _Restore:
 
 def _choose(kind: str | None) -> None:
     global _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS, _ATTENTION_PATH, _PROMPT_ATTENTION_PATH
-    _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS, _ATTENTION_PATH, _PROMPT_ATTENTION_PATH = None, kind, None, None, None, None
+    _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS = None, kind, None, None
+    _ATTENTION_PATH = _PROMPT_ATTENTION_PATH = None
     torch._dynamo.reset()
 
 
@@ -317,9 +318,9 @@ _PROMPT_ATTENTION_PATH: str | None = None  # prompt_attention_path(), filled at 
 
 
 def prompt_attention_path() -> str:
-    """The kernel of a prompt's causal attention in bfloat16 on CPU: "causal-avx512-bf16" (attention_cpu.cpp: both
-    products on vdpbf16ps, 2-3x ATen's flash attention at 512-2048 tokens on an AMD EPYC, docs/speed.md) where the CPU has
-    AVX512-BF16 but no AMX, whose tiles ATen's flash attention uses; else "flash" (ATen's)."""
+    """The kernel of a prompt's causal attention in bfloat16 on CPU: "causal-avx512-bf16" (attention_cpu.cpp:
+    both products on vdpbf16ps, 2-3x ATen's flash attention at 512-2048 tokens on an AMD EPYC, docs/speed.md)
+    where the CPU has AVX512-BF16 but no AMX, whose tiles ATen's flash attention uses; else "flash" (ATen's)."""
     global _PROMPT_ATTENTION_PATH
     if _PROMPT_ATTENTION_PATH is None:
         chip, native = cpu(), native_cpu()

@@ -119,7 +119,8 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
     caption = (f"prompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
                f"greedy, median of {args.repeats} (the engines' runs alternating); compiled = one graph per step "
                f"(--compile-scope step), its attention over float K/V: {kernels.attention_path()}, its prefill's "
-               f"products: --prefill-dtype {args.prefill_dtype} (in the prefill column); copy bandwidth {bandwidth / 1e9:.1f} GB/s before the table, "
+               f"products: --prefill-dtype {args.prefill_dtype} (in the prefill column); copy bandwidth "
+               f"{bandwidth / 1e9:.1f} GB/s before the table, "
                f"{bandwidths(rows, 'copy_bw_GBs')} GB/s at the start of each round; read bandwidth "
                f"{bandwidths(rows, 'read_bw_GBs')} GB/s")
     if peer:

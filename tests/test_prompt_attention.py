@@ -1,5 +1,6 @@
-"""A prompt's causal attention in bfloat16 through attention_cpu.cpp's AVX512-BF16 kernel (kernels.prompt_attention_path):
-equal to fp32 attention over the same bfloat16 inputs up to the kernel's roundings, chosen only where it runs."""
+"""A prompt's causal attention in bfloat16 through attention_cpu.cpp's AVX512-BF16 kernel
+(kernels.prompt_attention_path): equal to fp32 attention over the same bfloat16 inputs up to the kernel's
+roundings, chosen only where it runs."""
 
 import math
 
