@@ -154,7 +154,7 @@ def test_build_names_differ_by_instruction_set_and_source():
 def test_compiled_decode_through_integer_products(mode, monkeypatch):
     """One row, 16 steps: the step calls the kernel (no recompiles after warm-up) and equals an eager decode whose
     one-token projections call the same kernel: the same logits up to the order of the step's other fp32 sums,
-    the same tokens."""
+    the same tokens up to a near tie."""
     if not kernels.linear_path(torch.int8, 1).startswith("int-dot"):
         pytest.skip("no integer kernels on this CPU")
     S, N = 12, 16
@@ -169,7 +169,7 @@ def test_compiled_decode_through_integer_products(mode, monkeypatch):
     layers = [m for m in model.modules() if isinstance(m, (quantize.Int8Linear, quantize.Int4Linear))]
     assert all(m.tiled for m in layers) == (kernels.int_path(model.layers[0].attention.wqkv.weight.dtype)
                                             == kernels.TILED_PATH)
-    with monkeypatch.context() as m:  # eager one-token products through the kernel too (prefill: F.linear)
+    with monkeypatch.context() as m:  # eager one-token products through the kernel too (the prefill: the same in both)
         path = kernels._path
         m.setattr(kernels, "_path", lambda x, dtype: kernels.int_path(dtype) if x.shape[:-1].numel() == 1
                   and dtype in kernels.INT_DTYPES else path(x, dtype))
@@ -183,9 +183,18 @@ def test_compiled_decode_through_integer_products(mode, monkeypatch):
     # activation in another order a code may flip, an error of 2^-8 relative, as one bfloat16 rounding's (u = 2^-8),
     # once per layer's projections
     args = model.args
-    assert_numerically_close(logits, eager_logits, depth=args.n_layers * (2 * args.dim + S + N + args.intermediate_size),
-                             storage=torch.bfloat16, roundings=args.n_layers)
-    assert torch.equal(tokens, eager_tokens)
+    bound = {"depth": args.n_layers * (2 * args.dim + S + N + args.intermediate_size), "storage": torch.bfloat16,
+             "roundings": args.n_layers}
+    # logits[i] chose token i + 1. The greedy tokens agree until the logits' difference can flip an argmax: a
+    # step where eager's two best are within twice the bound; past a flip the two decodes differ by design
+    flips = (tokens != eager_tokens)[0].nonzero()
+    steps = logits.shape[0] if len(flips) == 0 else int(flips[0])
+    assert steps >= 1  # the prefill's token: the same eager computation in both
+    assert_numerically_close(logits[:steps], eager_logits[:steps], **bound)
+    if len(flips):
+        top = eager_logits[steps - 1, 0].topk(2).values
+        tol = tolerance(eager_logits[:steps].abs().max().item(), **bound)
+        assert top[0] - top[1] <= 2 * (tol["atol"] + tol["rtol"] * top[0].abs()), "a token flipped without a near tie"
 
 
 def test_a_layer_in_eager_and_compiled_calls_the_same_kernel():

@@ -99,9 +99,15 @@ def test_a_tiled_layer_keeps_its_rows_state_dict_and_products(mode):
     assert tiled.tiled and not torch.equal(tiled.weight, rows.weight)
     assert all(torch.equal(tiled.state_dict()[k], v) for k, v in rows.state_dict().items())
     assert torch.equal(tiled.dense_weight(torch.float32), rows.dense_weight(torch.float32))
-    x = torch.randn(2, 5, 128)
+    x = torch.randn(2, 9, 128)
     with torch.no_grad():
-        assert torch.equal(tiled(x), rows(x))  # eager rows: F.linear on the same dense weight
+        assert torch.equal(tiled(x), rows(x))  # 18 eager rows: F.linear on the same dense weight
+        few = torch.randn(1, 5, 128)  # a short prompt: the step's tiled kernel where it runs, else F.linear
+        if kernels.tiled_eager_ops(few) is None:
+            assert torch.equal(tiled(few), rows(few))
+        else:
+            with kernels.integer_products("everywhere"):
+                assert_numerically_close(tiled(few), rows(few), depth=128 + 4, storage=torch.bfloat16, roundings=1)
         if kernels.int_path(rows.weight.dtype) == kernels.TILED_PATH:
             one = torch.randn(1, 1, 128)
             with kernels.integer_products("everywhere"):
