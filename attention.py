@@ -1,5 +1,5 @@
 """Attention: `attend`, the model's one attention call site, the prompt's flash attention, and the one-query
-kernels of a compiled CPU decode step (kernels.attention_path chooses between the C++ kernel and Inductor's
+kernels of a compiled CPU decode step (attention_path chooses between the C++ kernel and Inductor's
 fused reductions)."""
 
 from __future__ import annotations
@@ -13,7 +13,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import attention_path, int_ops, prompt_attention_path, realized
+import kernels_cpu
+from kernels import cpu, int_ops, native_cpu, realized
+
+
+@torch._dynamo.assume_constant_result  # run, not traced (it may build the kernels): a constant of the graph
+def attention_path() -> str:
+    """The kernel of a compiled CPU decode step's one-query attention over float K/V: "one-query-avx512"
+    (attention_cpu.cpp, in its AVX-512 build: the g query heads of a KV head share each load of K and V, 2-5x
+    Inductor's reductions from 640 to 16k slots, docs/speed.md) or "reductions" (attend_one_query's, fused by
+    Inductor). Derived from kernels.cpu() on each call (a forced CPU kind changes it)."""
+    ops = kernels_cpu.ops("avx512-vnni") if kernels_cpu.isa_of(cpu(), native_cpu()) == "avx512-vnni" else None
+    return "one-query-avx512" if ops is not None and hasattr(ops, "one_query_attention") else "reductions"
+
+
+def prompt_attention_path() -> str:
+    """The kernel of a prompt's causal attention in bfloat16 on CPU: "causal-avx512-bf16" (attention_cpu.cpp:
+    both products on vdpbf16ps, 2-3x ATen's flash attention at 512-2048 tokens on an AMD EPYC, docs/speed.md)
+    where the CPU has AVX512-BF16 but no AMX, whose tiles ATen's flash attention uses; else "flash" (ATen's)."""
+    chip, native = cpu(), native_cpu()
+    if not (chip.avx512_bf16 and native.avx512_bf16 and not chip.amx_bf16):
+        return "flash"
+    ops = kernels_cpu.ops("avx512-vnni") if kernels_cpu.isa_of(chip, native) == "avx512-vnni" else None
+    return "causal-avx512-bf16" if hasattr(ops, "prompt_attention") else "flash"
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: bool,

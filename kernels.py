@@ -3,8 +3,7 @@
 Linear layers: `linear` (fp32 / bfloat16 / int8 weights) and `int4_linear` take, inside a compiled CPU step,
 per-row multiply-and-sum reductions, integer dot products (int8 / int4 codes times Q8_0 activations,
 kernels_cpu.cpp, where the CPU has AVX2 or AVX-512 VNNI), a blocked GEMM or F.linear; `linear_path` names the
-choice for a weight dtype and a number of rows. Attention (attention.py) asks `attention_path` which kernel its
-one-query step takes.
+choice for a weight dtype and a number of rows. attention.py chooses its attention kernels from the same probe.
 
 `cpu()` probes the CPU once; every CPU-dependent choice (the GEMM thresholds here, kv.quant's --kv-float auto)
 reads it. KVFAST_CPU=avx2 | avx512-bf16 | amx (or `force_cpu` in tests) makes those choices as on that kind of
@@ -134,9 +133,8 @@ def force_cpu(kind: str | None) -> _Restore:
 
 
 def _choose(kind: str | None) -> None:
-    global _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS, _ATTENTION_PATH, _PROMPT_ATTENTION_PATH
+    global _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS
     _cpu, _forced, GEMM_MIN_ROWS, _INT_PATHS = None, kind, None, None
-    _ATTENTION_PATH = _PROMPT_ATTENTION_PATH = None
     torch._dynamo.reset()
 
 
@@ -295,39 +293,6 @@ def int_path(dtype: torch.dtype) -> str:
     if _INT_PATHS is None:
         _INT_PATHS = int_paths()
     return _INT_PATHS.get(dtype, "reductions")
-
-
-_ATTENTION_PATH: str | None = None  # attention_path(), filled at first use
-
-
-@torch._dynamo.assume_constant_result  # run, not traced (it may build the kernels): a constant of the graph
-def attention_path() -> str:
-    """The kernel of a compiled CPU decode step's one-query attention over float K/V: "one-query-avx512"
-    (attention_cpu.cpp, in its AVX-512 build: the g query heads of a KV head share each load of K and V, 2-5x
-    Inductor's reductions from 640 to 16k slots, docs/speed.md) or "reductions" (attend_one_query's, fused by
-    Inductor)."""
-    global _ATTENTION_PATH
-    if _ATTENTION_PATH is None:
-        isa = kernels_cpu.isa_of(cpu(), native_cpu())
-        ops = kernels_cpu.ops(isa) if isa == "avx512-vnni" else None
-        _ATTENTION_PATH = "one-query-avx512" if ops is not None and hasattr(ops, "one_query_attention") else "reductions"
-    return _ATTENTION_PATH
-
-
-_PROMPT_ATTENTION_PATH: str | None = None  # prompt_attention_path(), filled at first use
-
-
-def prompt_attention_path() -> str:
-    """The kernel of a prompt's causal attention in bfloat16 on CPU: "causal-avx512-bf16" (attention_cpu.cpp:
-    both products on vdpbf16ps, 2-3x ATen's flash attention at 512-2048 tokens on an AMD EPYC, docs/speed.md)
-    where the CPU has AVX512-BF16 but no AMX, whose tiles ATen's flash attention uses; else "flash" (ATen's)."""
-    global _PROMPT_ATTENTION_PATH
-    if _PROMPT_ATTENTION_PATH is None:
-        chip, native = cpu(), native_cpu()
-        ops = kernels_cpu.ops("avx512-vnni") if kernels_cpu.isa_of(chip, native) == "avx512-vnni" else None
-        fits = chip.avx512_bf16 and native.avx512_bf16 and not chip.amx_bf16
-        _PROMPT_ATTENTION_PATH = "causal-avx512-bf16" if fits and hasattr(ops, "prompt_attention") else "flash"
-    return _PROMPT_ATTENTION_PATH
 
 
 def int_ops() -> object:
@@ -539,9 +504,10 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tile
     path = _path(x, packed.dtype)
     if tiled and path == TILED_PATH:
         return int_ops().int4_linear_tiled(x.float(), packed, scales, offsets).to(x.dtype)
-    if tiled and tiled_eager_ops(x) is not None and x.shape[:-1].numel() <= MAX_REDUCTION_ROWS:
+    eager = tiled_eager_ops(x) if tiled else None
+    if eager is not None and x.shape[:-1].numel() <= MAX_REDUCTION_ROWS:
         # a short prompt's rows: the step's kernel, not a dense copy of the weight (5 tokens of SmolLM2: 66 -> 20 ms)
-        return tiled_eager_ops(x).int4_linear_tiled(x.float(), packed, scales, offsets).to(x.dtype)
+        return eager.int4_linear_tiled(x.float(), packed, scales, offsets).to(x.dtype)
     if path == "f-linear":
         return F.linear(x, dequantize_int4(packed, scales, offsets, x.dtype, tiled))
     if tiled:

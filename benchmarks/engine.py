@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import kernels
+from attention import attention_path
 from benchmarks.common import Bench, Flag, copy_bandwidth, interleaved, median_time, ours_run, row, table
 from decode import PREFILL_DTYPES, prefill_dtype
 from kv.quant import kv_format
@@ -118,7 +119,7 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
                 and "K/V" not in name), None)
     caption = (f"prompt {prompt_len} tokens (the same random ids for every engine), {args.new_tokens} new tokens, "
                f"greedy, median of {args.repeats} (the engines' runs alternating); compiled = one graph per step "
-               f"(--compile-scope step), its attention over float K/V: {kernels.attention_path()}, its prefill's "
+               f"(--compile-scope step), its attention over float K/V: {attention_path()}, its prefill's "
                f"products: --prefill-dtype {args.prefill_dtype} (in the prefill column); copy bandwidth "
                f"{bandwidth / 1e9:.1f} GB/s before the table, "
                f"{bandwidths(rows, 'copy_bw_GBs')} GB/s at the start of each round; read bandwidth "

@@ -256,7 +256,7 @@ def test_one_query_attention_equals_the_reductions(dtype, B, n_kv, g, D, T, monk
     mask[..., 128:256] = False
     mask[..., 0] = True
     out, probs = ops.one_query_attention(q.view(B, n_kv, g, D), k, v, mask.view(B, n_kv, T), D ** -0.5)
-    monkeypatch.setattr(kernels, "_ATTENTION_PATH", "reductions")
+    monkeypatch.setattr(attention, "attention_path", lambda: "reductions")
     ref, ref_probs = attention.attend_one_query(q, k, v, mask, want_probs=True)
     bf16 = {"storage": torch.bfloat16, "roundings": 3} if dtype == torch.bfloat16 else {}
     assert_numerically_close(out.view_as(ref), ref, depth=T + D, **bf16)
@@ -280,7 +280,7 @@ def test_one_query_attention_never_reads_a_masked_slot():
 
 
 def test_one_query_attention_is_chosen_where_the_avx512_build_has_it(cpu_kind):
-    path = kernels.attention_path()
+    path = attention.attention_path()
     if cpu_kind == "avx2" or not kernels.native_cpu().avx512_vnni:
         assert path == "reductions"
     elif kernels_cpu.ops("avx512-vnni") is not None:
@@ -292,7 +292,7 @@ def test_compiled_decode_attends_through_the_kernel(kv_bits):
     """A model whose heads are 64 wide: the compiled step calls the kernel (seen by the profiler), never
     recompiles, and gives eager's tokens and logits (eager attends through SDPA over the same K/V)."""
     one_query_kernel()
-    if kernels.attention_path() != "one-query-avx512":
+    if attention.attention_path() != "one-query-avx512":
         pytest.skip("the one-query kernel is not chosen on this CPU kind")
     model = tiny_model_wide(head_dim=64, n_heads=6, n_kv_heads=2)
     S, N = 20, 12

@@ -1,5 +1,5 @@
 """A prompt's causal attention in bfloat16 through attention_cpu.cpp's AVX512-BF16 kernel
-(kernels.prompt_attention_path): equal to fp32 attention over the same bfloat16 inputs up to the kernel's
+(attention.prompt_attention_path): equal to fp32 attention over the same bfloat16 inputs up to the kernel's
 roundings, chosen only where it runs."""
 
 import math
@@ -50,7 +50,7 @@ def test_a_bfloat16_prefill_attends_through_the_kernel_where_chosen(cpu_kind):
     """AVX512-BF16 without AMX takes the kernel; AMX keeps ATen's flash attention (its tiles), AVX2 too."""
     q = torch.randn(1, 6, 40, 64).bfloat16()
     k, v = torch.randn(1, 2, 40, 64).bfloat16(), torch.randn(1, 2, 40, 64).bfloat16()
-    chosen = kernels.prompt_attention_path()
+    chosen = attention.prompt_attention_path()
     if cpu_kind != "avx512-bf16":
         assert chosen == "flash"
     else:
