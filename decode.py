@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch._inductor import config as inductor_config
 
 from compilecache import guard_free, trust_cpu_vector_flags
-from kernels import cpu, dynamic_rows, tile_weights, time_int_paths
+from kernels import cpu, dynamic_rows, int_gemm_runs, tile_weights, time_int_paths
 from kv import kvzip
 from kv.budgets import DYNAMIC_CAPACITY_CONFIG, mark_capacity_dynamic
 from kv.tiers import TierSpec
@@ -107,21 +107,36 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
 DEFAULT_PREFILL_CHUNK = 8192
 
 
-PREFILL_DTYPES = ("auto", "float32", "bfloat16")  # --prefill-dtype
+PREFILL_DTYPES = ("auto", "float32", "bfloat16", "int8")  # --prefill-dtype
 
 
-def prefill_dtype(name: str | None, model: Transformer) -> torch.dtype | None:
-    """--prefill-dtype's precision of `model`'s prompt products (None: the compute dtype's). "auto": bfloat16
-    where the projections are stored in 16 bits or fewer (bf16, int8, int4 weights) and run on a CPU that
-    multiplies bfloat16 in hardware (AVX512-BF16 or AMX: kernels.CPU.bf16_dot), else the compute dtype. There
-    the prefill took 0.48 instead of 0.93 s for 512 tokens of SmolLM2 with int4 weights (an AMD EPYC, 2 cores),
-    for +0.2 % perplexity (docs/speed.md, "Prefill in bfloat16"); fp32 weights keep fp32 products."""
+def prefill_dtype(name: str | None, model: Transformer, compiled: bool = False) -> torch.dtype | None:
+    """--prefill-dtype's precision of `model`'s prompt products (None: the compute dtype's); compiled: the prefill
+    is (--compile-prefill). "int8": the projections' int8 / int4 codes times Q8_0 activations, as in a decode step,
+    in the integer GEMM (gemm_cpu.cpp, kernels.integer_products("prompt")), and the rest of the prompt in bfloat16
+    where the CPU multiplies it in hardware; eager, on a CPU with AVX-512 VNNI. "auto": int8 for int8 / int4 weights
+    on such a CPU without AMX (whose bfloat16 tiles oneDNN's GEMMs use): 512 tokens of SmolLM2 int4 took 0.36
+    instead of 0.48 s in bfloat16, for the decode step's +1.4 % perplexity (docs/speed.md, "Integer prompts"). Else
+    bfloat16 where the projections are stored in 16 bits or fewer (bf16, int8, int4 weights) and the CPU multiplies
+    bfloat16 in hardware (AVX512-BF16 or AMX: kernels.CPU.bf16_dot): 0.48 instead of 0.93 s, +0.2 % perplexity
+    ("Prefill in bfloat16"); else the compute dtype. fp32 weights keep fp32 products."""
+    weight = model.layers[0].feed_forward.w13.weight
+    codes, on_cpu = weight.dtype in (torch.int8, torch.uint8), weight.device.type == "cpu"
     if name in (None, "auto"):
-        weight = model.layers[0].feed_forward.w13.weight
-        stored = weight.dtype in (torch.bfloat16, torch.int8, torch.uint8)
-        return torch.bfloat16 if stored and weight.device.type == "cpu" and cpu().bf16_dot else None
+        chip = cpu()
+        if codes and on_cpu and not compiled and chip.avx512_vnni and not chip.amx_int8 and int_gemm_runs():
+            return torch.int8
+        stored = codes or weight.dtype == torch.bfloat16
+        return torch.bfloat16 if stored and on_cpu and chip.bf16_dot else None
     if name not in PREFILL_DTYPES:
         raise KVFastError(f"unknown prefill dtype {name!r} (choose from {', '.join(PREFILL_DTYPES)})")
+    if name == "int8":
+        if not codes:
+            raise KVFastError(f"--prefill-dtype int8 multiplies int8 / int4 weights; this model's are {weight.dtype}")
+        if compiled:
+            raise KVFastError("--prefill-dtype int8 runs eagerly: leave out --compile-prefill")
+        if not (on_cpu and int_gemm_runs()):
+            raise KVFastError("--prefill-dtype int8 needs a CPU with AVX-512 VNNI and kvfast's C++ kernels built")
     return getattr(torch, name)
 
 

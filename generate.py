@@ -72,8 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the length)")
     p.add_argument("--prefill-dtype", choices=PREFILL_DTYPES, default="auto",
                    help="precision of the prefill's products; K/V and statistics stay in the compute dtype. "
-                        "auto: bfloat16 for bf16 / int8 / int4 weights on a CPU with AMX or AVX512-BF16 (1.4-3x "
-                        "fp32's speed, +0.2%% perplexity at most), else the compute dtype")
+                        "int8: int8 / int4 codes times int8 activations, as a decode step's, the rest in bfloat16 "
+                        "(eager, AVX-512 VNNI CPUs). auto: int8 for int8 / int4 weights on an AVX-512 VNNI CPU "
+                        "without AMX; else bfloat16 for bf16 / int8 / int4 weights on a CPU with AMX or "
+                        "AVX512-BF16 (1.4-3x fp32's speed, +0.2%% perplexity at most); else the compute dtype")
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
                    help="torch.compile mode of the decode step and the refresh (default: reduce-overhead, "
                         "i.e. CUDA graphs, on CUDA; default on CPU, where reduce-overhead is an error)")
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     decoder = Decoder(model, compile=args.compile, compile_prefill=args.compile_prefill,
                       mode=args.compile_mode, scope=args.compile_scope, dynamic_capacity=args.dynamic_capacity,
                       prefill_chunk=args.prefill_chunk or None,
-                      prefill_dtype=prefill_dtype(args.prefill_dtype, model))
+                      prefill_dtype=prefill_dtype(args.prefill_dtype, model, args.compile_prefill))
     runner = decoder if args.speculate is None else speculator(model, decoder, args, len(ids), dtype)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
     weight_bytes = model.weight_bytes()

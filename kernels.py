@@ -345,32 +345,64 @@ def dynamic_rows() -> Iterator[None]:
         _dynamic_rows = False
 
 
+_integer_prompt = False  # integer_products("prompt")
+
+
 class integer_products:
-    """Where the integer dot products run, for measuring them (bench.py quantize, engine). "everywhere": every eager
-    CPU product of int8 / int4 weights, whatever its rows, takes int_path(dtype), so a teacher-forced forward
-    measures the quality of a decode step's products (each row is quantized and multiplied on its own, as there).
-    "nowhere": none (Inductor's reductions in fp32, their baseline); compiled graphs are dropped on entry and exit."""
+    """Where the integer dot products run. "prompt" (--prefill-dtype int8): every eager CPU product of int8 / int4
+    weights over several rows takes the integer GEMM (gemm_cpu.cpp, where this CPU runs the AVX-512 build):
+    each row quantized to Q8_0 as in a decode step. For measuring them (bench.py quantize, engine): "everywhere":
+    every eager CPU product of int8 / int4 weights, whatever its rows, takes int_path(dtype), so a teacher-forced
+    forward measures the quality of a decode step's products (each row is quantized and multiplied on its own, as
+    there); "nowhere": none (Inductor's reductions in fp32, their baseline); compiled graphs are dropped on entry
+    and exit."""
 
     def __init__(self, where: str) -> None:
-        if where not in ("everywhere", "nowhere"):
-            raise KVFastError(f"integer_products: 'everywhere' or 'nowhere', not {where!r}")
+        if where not in ("prompt", "everywhere", "nowhere"):
+            raise KVFastError(f"integer_products: 'prompt', 'everywhere' or 'nowhere', not {where!r}")
         self.where = where
 
     def __enter__(self) -> None:
-        global _integer_everywhere, _INT_PATHS
-        if self.where == "everywhere":
-            _integer_everywhere = True
-        else:
-            _INT_PATHS = {}
-            torch._dynamo.reset()
+        self._set(True)
 
     def __exit__(self, *exc: object) -> None:
-        global _integer_everywhere, _INT_PATHS
+        self._set(False)
+
+    def _set(self, on: bool) -> None:
+        global _integer_everywhere, _integer_prompt, _INT_PATHS
         if self.where == "everywhere":
-            _integer_everywhere = False
+            _integer_everywhere = on
+        elif self.where == "prompt":
+            _integer_prompt = on
         else:
-            _INT_PATHS = None
+            _INT_PATHS = {} if on else None
             torch._dynamo.reset()
+
+
+def int_gemm_ops(x: Tensor, tiled: bool) -> object | None:
+    """The build with the integer GEMM (int8_gemm / int4_gemm) for an eager CPU product of x [..., in], where its
+    rows take it: under integer_products("prompt"); or over tiled codes, where they take the decode step's integer
+    kernel (under "everywhere", or up to MAX_REDUCTION_ROWS rows of a short prompt: reading the codes once for all
+    rows, not a dense copy of the weight), whose every row the GEMM equals bit for bit. None: another kernel."""
+    ops = tiled_eager_ops(x)
+    if ops is None:
+        return None
+    rows = x.shape[:-1].numel()
+    if _integer_prompt and rows > 1:
+        return ops
+    return ops if tiled and (_integer_everywhere or rows <= MAX_REDUCTION_ROWS) else None
+
+
+def int_gemm_runs() -> bool:
+    """Does this machine run the integer GEMM (the AVX-512 VNNI build of the kernels)?"""
+    return native_cpu().avx512_vnni and hasattr(kernels_cpu.ops("avx512-vnni") or object(), "int8_gemm")
+
+
+def in_gemm_dtype(product: Callable[..., Tensor], x: Tensor, *weights: object) -> Tensor:
+    """product(x, *weights) with x in float32 or bfloat16 (the GEMM's), the output in x's dtype."""
+    if x.dtype in (torch.float32, torch.bfloat16):
+        return product(x, *weights)
+    return product(x.float(), *weights).to(x.dtype)
 
 
 def _path(x: Tensor, dtype: torch.dtype) -> str:
@@ -440,14 +472,13 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool 
     """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`, the codes in rows or, where
     `tiled`, in kernels_cpu.tile_int8's tiles."""
     path = _path(x, weight.dtype)
+    gemm = int_gemm_ops(x, tiled) if scales is not None and kernels_cpu.tileable(*weight.shape) else None
+    if gemm is not None:
+        return in_gemm_dtype(gemm.int8_gemm, x, weight, scales, tiled)
     if tiled:
         if path == TILED_PATH:
             return int_ops().int8_linear_tiled(x.float(), weight, scales).to(x.dtype)
         eager = tiled_eager_ops(x)
-        if eager is not None and scales is not None and x.shape[:-1].numel() <= MAX_REDUCTION_ROWS:
-            # a short prompt's rows, or its last row through the tied head: the step's kernel, reading the codes
-            # once for all rows, not a dense copy of the weight
-            return eager.int8_linear_tiled(x.float(), weight, scales).to(x.dtype)
         if path == "f-linear" and eager is not None and x.dtype in (torch.float32, torch.bfloat16):
             y = F.linear(x, eager.int8_dequantize(weight, x.dtype, True))  # one pass: the codes, exact
             return y if scales is None else (y * scales).to(x.dtype)
@@ -502,12 +533,11 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tile
     """x @ W.T for int4 weights (dequantize_int4's layouts): integer dot products, reductions or F.linear on the
     dequantized weight."""
     path = _path(x, packed.dtype)
+    gemm = int_gemm_ops(x, tiled) if kernels_cpu.tileable(packed.shape[0], x.shape[-1], scales.shape[1]) else None
+    if gemm is not None:  # a short prompt through tiles: 5 tokens of SmolLM2 took 66 ms on a dense copy, now 20
+        return in_gemm_dtype(gemm.int4_gemm, x, packed, scales, offsets, tiled)
     if tiled and path == TILED_PATH:
         return int_ops().int4_linear_tiled(x.float(), packed, scales, offsets).to(x.dtype)
-    eager = tiled_eager_ops(x) if tiled else None
-    if eager is not None and x.shape[:-1].numel() <= MAX_REDUCTION_ROWS:
-        # a short prompt's rows: the step's kernel, not a dense copy of the weight (5 tokens of SmolLM2: 66 -> 20 ms)
-        return eager.int4_linear_tiled(x.float(), packed, scales, offsets).to(x.dtype)
     if path == "f-linear":
         return F.linear(x, dequantize_int4(packed, scales, offsets, x.dtype, tiled))
     if tiled:

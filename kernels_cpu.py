@@ -1,5 +1,6 @@
-"""The integer dot-product linear kernels of kernels_cpu.cpp and the one-query attention of attention_cpu.cpp:
-built together at first use for one instruction set, loaded, and registered as torch ops (with Meta shapes) that a compiled decode step calls as extern kernels.
+"""The integer dot-product linear kernels of kernels_cpu.cpp (one-token rows) and gemm_cpu.cpp (a prompt's rows)
+and the attention kernels of attention_cpu.cpp: built together at first use for one instruction set, loaded, and
+registered as torch ops (with Meta shapes) that a compiled decode step calls as extern kernels.
 
 The instruction set is the best one the chosen CPU kind has (kernels.cpu(), so KVFAST_CPU=avx2 builds the AVX2
 variant) that this CPU also runs. Each variant is its own op namespace (kvfast_avx512_vnni, kvfast_avx2,
@@ -23,7 +24,8 @@ from typing import Any
 
 import torch
 
-SOURCES = (Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("attention_cpu.cpp"))  # one extension
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("kernels_cpu.cpp", "gemm_cpu.cpp", "attention_cpu.cpp"))  # one extension
+HEADERS = (Path(__file__).with_suffix(".h"),)
 ISA_FLAGS = {
     "avx512-vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                     "-mavx512vnni"],
@@ -48,7 +50,7 @@ def build_name(isa: str) -> tuple[str, list[str]]:
     """(namespace_key, compile flags): the name of the variant's build, keyed by flags, source and torch."""
     ns = "kvfast_" + isa.replace("-", "_")
     flags = ["-O3", "-fopenmp", f"-DKVFAST_NS={ns}", *ISA_FLAGS[isa]]
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode())
     return f"{ns}_{digest.hexdigest()[:16]}", flags
 
@@ -59,8 +61,8 @@ _meta: list[torch.library.Library] = []
 
 def ops(isa: str) -> Any:
     """torch.ops.kvfast_<isa> with int8_linear, int4_linear, int4_dequantize and quantize_activations (and, in the
-    AVX-512 build, int8_linear_tiled, int4_linear_tiled and one_query_attention), built on first use; None (after
-    one warning) where it cannot be built."""
+    AVX-512 build, int8_linear_tiled, int4_linear_tiled, the prompt's int8_gemm / int4_gemm and the attention
+    kernels), built on first use; None (after one warning) where it cannot be built."""
     if isa not in _loaded:
         _loaded[isa] = _build(isa)
     return _loaded[isa]
@@ -92,6 +94,9 @@ def _build(isa: str) -> Any:
     if hasattr(getattr(torch.ops, ns), "one_query_attention"):  # AVX-512 builds only
         meta.impl("int8_linear_tiled", lambda x, codes, scales: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
         meta.impl("int4_linear_tiled", lambda x, packed, scales, offsets: x.new_empty(*x.shape[:-1], packed.shape[0]),
+                  "Meta")
+        meta.impl("int8_gemm", lambda x, codes, scales, tiled: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
+        meta.impl("int4_gemm", lambda x, packed, scales, offsets, tiled: x.new_empty(*x.shape[:-1], packed.shape[0]),
                   "Meta")
         meta.impl("one_query_attention", lambda q, k, v, mask, scale: (
             q.new_empty(q.shape), q.new_empty(*q.shape[:3], k.shape[2])), "Meta")
@@ -146,7 +151,8 @@ TILE_ROWS = 16
 
 
 def tileable(out_features: int, in_features: int, n_groups: int = 1) -> bool:
-    """Can this int8 / int4 projection be tiled (whole tiles; int4 groups of a multiple of 32 columns)."""
+    """Can this int8 / int4 projection be tiled, or multiplied by the integer GEMM (whole tiles; int4 groups of a
+    multiple of 32 columns)."""
     group = in_features // n_groups
     return out_features % TILE_ROWS == 0 and in_features % 32 == 0 and group % 32 == 0 and group * n_groups == in_features
 

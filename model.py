@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attention import attend, prompt_attention
-from kernels import KVFastError, cpu, dequantize_int4, int4_linear, int4_rows, linear
+from kernels import KVFastError, cpu, dequantize_int4, int4_linear, int4_rows, integer_products, linear
 from kernels_cpu import tiled_int8_rows, untile_int8
 from kv.contract import AttentionCache
 
@@ -219,6 +220,15 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(gate).mul_(up))
 
 
+def prompt_work_dtype(dtype: torch.dtype | None, x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a prompt's activations and float products for --prefill-dtype's `dtype` (None: x's). int8
+    multiplies the int8 / int4 codes in integers (kernels.integer_products("prompt")) and the rest in bfloat16
+    where this CPU multiplies it in hardware (its attention, float weights' products), else in x's dtype."""
+    if dtype == torch.int8:
+        return torch.bfloat16 if cpu().bf16_dot else x_dtype
+    return dtype or x_dtype
+
+
 @contextmanager
 def dense_for_prompt(layers: tuple[nn.Module, ...], dtype: torch.dtype) -> Iterator[None]:
     """While a prompt's query blocks run, each of these linear layers reads one dense copy of its weight in dtype
@@ -253,22 +263,25 @@ class TransformerBlock(nn.Module):
         the FFN; then the cache gets the whole prompt at once, so its prompt compression and statistics see all
         of it (kv.prompt computes them in query blocks). Memory: x and the layer's q, k, v
         grow with S; the blocks' activations ([chunk, intermediate]) and attention do not, and nothing is
-        S x S. dtype: the products' precision (bfloat16: AMX / AVX512-BF16 GEMMs and attention), q, k and v are
-        rounded to it; the residual stream and the cache stay in x's dtype. x is overwritten in place."""
+        S x S. dtype: the products' precision (bfloat16: AMX / AVX512-BF16 GEMMs and attention; int8: the integer
+        GEMM, prompt_work_dtype), q, k and v are rounded to the activations' dtype; the residual stream and the
+        cache stay in x's dtype. x is overwritten in place."""
         attn, ffn, S = self.attention, self.feed_forward, x.shape[1]
-        work = dtype or x.dtype
+        work = prompt_work_dtype(dtype, x.dtype)
         blocks = [(0, S)] if chunk is None or chunk >= S else [(a, min(S, a + chunk)) for a in range(0, S, chunk)]
-        several = len(blocks) > 1
-        with dense_for_prompt((attn.wqkv,), work) if several else nullcontext():
-            parts = [[t.to(work) for t in attn.project(self.attention_norm(x[:, a:b]).to(work), cos[a:b], sin[a:b])]
-                     for a, b in blocks]  # q, k, v biases are fp32: the sums come back in fp32
-        q, k, v = (torch.cat(p, dim=2) if several else p[0] for p in zip(*parts))
-        with dense_for_prompt((attn.wo, ffn.w13, ffn.w2), work) if several else nullcontext():
-            for a, b in blocks:
-                out = prompt_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], a)
-                h = x[:, a:b]  # the residual stream stays in x's dtype: each sum is added into it in place
-                h.add_(attn.output(out))
-                h.add_(ffn(self.ffn_norm(h).to(work)))
+        integer = dtype == torch.int8  # the integer GEMM reads the codes as stored in every block
+        dense = partial(dense_for_prompt, dtype=work) if len(blocks) > 1 and not integer else lambda layers: nullcontext()
+        with integer_products("prompt") if integer else nullcontext():
+            with dense((attn.wqkv,)):
+                parts = [[t.to(work) for t in attn.project(self.attention_norm(x[:, a:b]).to(work), cos[a:b], sin[a:b])]
+                         for a, b in blocks]  # q, k, v biases are fp32: the sums come back in fp32
+            q, k, v = (torch.cat(p, dim=2) if len(blocks) > 1 else p[0] for p in zip(*parts))
+            with dense((attn.wo, ffn.w13, ffn.w2)):
+                for a, b in blocks:
+                    out = prompt_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], a)
+                    h = x[:, a:b]  # the residual stream stays in x's dtype: each sum is added into it in place
+                    h.add_(attn.output(out))
+                    h.add_(ffn(self.ffn_norm(h).to(work)))
         if attn.kv_cache is not None:  # after the attention on the fresh K/V, as kv.contract says
             attn.kv_cache.prefill(*(t.to(x.dtype) for t in (q, k, v)))  # its statistics as in an fp32 prefill
         return x

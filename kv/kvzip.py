@@ -40,7 +40,7 @@ from kv.params import Param, boolean, choice, whole
 from kv.pool import AdaKVCache
 from kv.prompt import PREFILL_BLOCK_ELEMENTS, PromptCompressor
 from kv.slots import KVCache
-from model import KVFastError, Transformer
+from model import KVFastError, Transformer, prompt_work_dtype
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
 LATER_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -122,8 +122,8 @@ class KVzipPrompt(PromptCompressor):
         None: the model's), auto = bf16 on a GPU or a CPU with AMX tiles (there a bf16 product runs several times
         faster than fp32; the scores only rank tokens), else the model's. The CPU is the kernels' (kernels.cpu():
         KVFAST_CPU / force_cpu choose as on another kind)."""
-        if self.kvzip_dtype == "prefill":
-            return prefill_dtype
+        if self.kvzip_dtype == "prefill":  # int8's integer products: their activations' dtype
+            return None if prefill_dtype is None else prompt_work_dtype(prefill_dtype, None)
         if self.kvzip_dtype == "auto":
             fast = device.type == "cuda" or (device.type == "cpu" and cpu().amx_bf16)
             return torch.bfloat16 if fast else None

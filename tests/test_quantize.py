@@ -138,11 +138,8 @@ def check_dequantized_weights_and_compiled_decode(mode: str) -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "int8", "int4"])
-def test_auto_prefill_dtype_is_bfloat16_for_stored_weights_on_bfloat16_cpus(mode, cpu_kind):
-    model = quantize.quantize_model(tiny_model(), mode, 32) if mode != "fp32" else tiny_model()
-    hardware_bf16 = cpu_kind in ("avx512-bf16", "amx")
-    assert decode.prefill_dtype("auto", model) == (torch.bfloat16 if mode != "fp32" and hardware_bf16 else None)
+def test_explicit_prefill_dtypes():
+    model = tiny_model()
     assert decode.prefill_dtype("float32", model) == torch.float32
     assert decode.prefill_dtype("bfloat16", model) == torch.bfloat16
     with pytest.raises(KVFastError, match="unknown prefill dtype 'float8'"):

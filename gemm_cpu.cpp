@@ -1,0 +1,274 @@
+// A prompt's products over tiled int8 / int4 codes in integer dot products (AVX-512 VNNI builds only; built with
+// kernels_cpu.cpp, whose TORCH_LIBRARY this fragment adds its ops to).
+//
+// The one-token kernels (kernels_cpu.cpp int8_tile_dots / int4_tile_dots) as a GEMM: each vpdpbusd multiplies
+// 64 codes by 4 activation codes broadcast, 64 multiply-adds where bfloat16's vdpbf16ps does 32, and the codes
+// are read as stored, not first dequantized into a dense bfloat16 weight. A micro-tile of MR activation rows by
+// NT tiles of 16 output rows keeps its MR x NT accumulators in registers, so every weight vector loaded serves
+// MR rows and every activation broadcast NT tiles. The order of each output's sums is the one-token kernel's,
+// so every row of the product equals that kernel's output for the row, bit for bit.
+
+#include "kernels_cpu.h"
+
+#if defined(KVFAST_AVX512)
+namespace {
+
+// A micro-tile's activation rows (M) and tiles of 16 output rows (NT): its accumulators fill the 32 vector
+// registers; int4 products whose groups span several blocks hold a third set, each group's sums.
+#ifndef MR_ROWS
+#define MR_ROWS 6
+#endif
+#ifndef MR_GROUPS
+#define MR_GROUPS 4
+#endif
+constexpr int NT = 2;
+// Up to this many rows a micro-tile takes one tile: the codes of two stream from memory slower than one's.
+constexpr int64_t ONE_TILE_ROWS = 3;
+
+// 16 outputs to y: float32, or bfloat16 rounded to nearest even (as at::BFloat16; no NaN reaches a product)
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+inline void store16(at::BFloat16* y, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+}
+
+// How a micro-tile scales its integer sums: int8 codes (stored + 128, so each block's sum starts from the rows'
+// block_bias; one scale per output row at the end), or int4 codes (per group of `group` columns: scale and offset,
+// float32 or float16 S; ONE_BLOCK: groups of 32, where a group's sum is its one block's).
+struct Int8Scales {
+  const float* scales;  // this micro-tile's first output row's
+};
+template <typename S, bool ONE_BLOCK>
+struct Int4Scales {
+  static constexpr bool one_block = ONE_BLOCK;
+  const S* scales;  // [n_groups][16] per tile, from this micro-tile's first tile
+  const S* offsets;
+  int64_t tile_stride, group;
+};
+
+// Rows r[0..M) times N tiles of codes in tile_int8's layout ([in / 4][16 rows][4 columns], tile n at
+// w + n * stride; int4 codes unpacked to bytes 0..15 first) into y (row m at y + m * ldy).
+template <int M, int N, typename Scales, typename Y>
+void micro(const uint8_t* w, int64_t stride, const QRow* const* r, int64_t in, const Scales& sc, Y* y, int64_t ldy) {
+  constexpr bool int4 = !std::is_same_v<Scales, Int8Scales>;
+  __m512 acc[M][N], gacc[M][N];  // gacc: int4's sum over the group so far of d * (integer block sums)
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
+  // at least 4 independent chains of dpbusd hide its latency: a micro-tile of fewer outputs splits each block's
+  // sums in C (exact integers, added after)
+  constexpr int C = M * N >= 4 ? 1 : (M * N == 1 ? 4 : 2);
+  for (int64_t b = 0; b < in; b += QK) {
+    __m512i s[M][N], part[C][M][N];
+    for (int m = 0; m < M; ++m) {
+      const __m512i start = int4 ? _mm512_setzero_si512() : _mm512_set1_epi32(r[m]->block_bias[b / QK]);
+      for (int n = 0; n < N; ++n) {
+        part[0][m][n] = start;
+        for (int c = 1; c < C; ++c) part[c][m][n] = _mm512_setzero_si512();
+      }
+    }
+    const uint8_t* wb = w + b * TR;
+#pragma GCC unroll 8
+    for (int k = 0; k < QK / 4; ++k) {
+      __m512i wv[N];
+      for (int n = 0; n < N; ++n) wv[n] = _mm512_loadu_si512(wb + n * stride + 64 * k);
+      for (int m = 0; m < M; ++m) {
+        const __m512i a = broadcast4(r[m]->q.data() + b + 4 * k);
+        for (int n = 0; n < N; ++n) part[k % C][m][n] = _mm512_dpbusd_epi32(part[k % C][m][n], wv[n], a);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) {
+        s[m][n] = part[0][m][n];
+        for (int c = 1; c < C; ++c) s[m][n] = _mm512_add_epi32(s[m][n], part[c][m][n]);
+      }
+    if constexpr (!int4) {
+      for (int m = 0; m < M; ++m) {
+        const __m512 d = _mm512_set1_ps(r[m]->d_lane[b / 4]);
+        for (int n = 0; n < N; ++n) acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][n]), d, acc[m][n]);
+      }
+    } else {
+      // int4_tile_dots scales 16 x a block's sum by d / 16: the same product, exactly (|16 s| < 2^24)
+      const bool first = Scales::one_block || b % sc.group == 0, last = Scales::one_block || (b + QK) % sc.group == 0;
+      for (int m = 0; m < M; ++m) {
+        const __m512 d = _mm512_set1_ps(r[m]->d_lane[b / 4]);
+        for (int n = 0; n < N; ++n)
+          gacc[m][n] = first ? _mm512_mul_ps(_mm512_cvtepi32_ps(s[m][n]), d)  // as fma(., ., 0)
+                             : _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][n]), d, gacc[m][n]);
+      }
+      if (last) {
+        const int64_t g = b / sc.group;
+        for (int n = 0; n < N; ++n) {
+          const __m512 scale = load16(sc.scales + n * sc.tile_stride + g * TR);
+          const __m512 offset = load16(sc.offsets + n * sc.tile_stride + g * TR);
+          for (int m = 0; m < M; ++m) {
+            acc[m][n] = _mm512_fmadd_ps(gacc[m][n], scale, acc[m][n]);
+            acc[m][n] = _mm512_fmadd_ps(offset, _mm512_set1_ps(r[m]->group_sum[g]), acc[m][n]);
+          }
+        }
+      }
+    }
+  }
+  if constexpr (!int4) {
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) acc[m][n] = _mm512_mul_ps(acc[m][n], _mm512_loadu_ps(sc.scales + n * TR));
+  }
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) store16(y + m * ldy + n * TR, acc[m][n]);
+}
+
+// Every (m, n) <= (M, N) instance of a micro-kernel, chosen at run time for a block's rows m and tiles n.
+template <int M, int N, typename Call>
+void dispatch(int m, int n, const Call& call) {
+  if constexpr (M > 1) {
+    if (m < M) return dispatch<M - 1, N>(m, n, call);
+  }
+  if constexpr (N > 1) {
+    if (n < N) return dispatch<M, N - 1>(m, n, call);
+  }
+  call(std::integral_constant<int, M>{}, std::integral_constant<int, N>{});
+}
+
+// n tiles of codes from tile t in tile_int8's layout: stored tiles are read in place; int4 tiles and codes in
+// rows (quantize.py's) are rearranged into `buffer`, once per group of tiles for every row of the product.
+struct Codes {
+  const uint8_t* w;
+  int64_t in;
+  bool int4, tiled;
+
+  const uint8_t* tiles(int64_t t, int n, std::vector<uint8_t>& buffer) const {
+    const int64_t tile_bytes = TR * in;
+    if (tiled && !int4) return w + t * tile_bytes;
+    buffer.resize(n * tile_bytes);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < n; ++j) {
+      uint8_t* dst = buffer.data() + j * tile_bytes;
+      if (tiled) {  // tile_int4: [in / 8][16 rows][4 bytes], byte i holding column 8c + i low and 8c + 4 + i high
+        const uint8_t* src = w + (t + j) * tile_bytes / 2;
+        for (int64_t c = 0; c < tile_bytes / 2; c += 64) {
+          const __m512i bytes = _mm512_loadu_si512(src + c);
+          _mm512_storeu_si512(dst + 2 * c, _mm512_and_si512(bytes, low));
+          _mm512_storeu_si512(dst + 2 * c + 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low));
+        }
+        continue;
+      }
+      // rows: 4 columns of 16 rows gathered as one 32-bit word per row (int8: code + 128; int4: column c < in / 2
+      // in the low nibbles of byte c, column c + in / 2 in the high ones)
+      const int64_t row_bytes = int4 ? in / 2 : in;
+      const uint8_t* src = w + (t + j) * TR * row_bytes;
+      const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(static_cast<int>(row_bytes)));
+      for (int64_t c = 0; c < in; c += 4) {
+        const int64_t at = int4 && c >= in / 2 ? c - in / 2 : c;
+        __m512i v = _mm512_i32gather_epi32(rows, src + at, 1);
+        if (!int4) v = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+        else v = _mm512_and_si512(c >= in / 2 ? _mm512_srli_epi16(v, 4) : v, low);
+        _mm512_storeu_si512(dst + c * TR, v);
+      }
+    }
+    return buffer.data();
+  }
+};
+
+// The output's tiles in groups of NT (one for up to ONE_TILE_ROWS rows) split between threads; each group runs
+// over every block of M rows while its codes stay in the cache; run(M, N, t, codes, rows, y) runs one micro-tile.
+template <int M, typename Y, typename Run>
+at::Tensor over_micro_tiles(const at::Tensor& x, int64_t out, const std::vector<QRow>& q, const Codes& codes,
+                            const Run& run) {
+  at::Tensor y = output_like(x, out);
+  Y* yp = y.data_ptr<Y>();
+  const int64_t rows = static_cast<int64_t>(q.size()), tiles = out / TR;
+  const int64_t nt = rows <= ONE_TILE_ROWS ? 1 : NT;
+  at::parallel_for(0, (tiles + nt - 1) / nt, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> buffer;
+    const QRow* r[M];
+    for (int64_t t = begin * nt; t < std::min(end * nt, tiles); t += nt) {
+      const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t));
+      const uint8_t* w = codes.tiles(t, n, buffer);
+      for (int64_t m0 = 0; m0 < rows; m0 += M) {
+        const int m = static_cast<int>(std::min<int64_t>(M, rows - m0));
+        for (int i = 0; i < m; ++i) r[i] = &q[m0 + i];
+        dispatch<M, NT>(m, n, [&](auto MM, auto NN) { run(MM, NN, t, w, r, yp + m0 * out + t * TR); });
+      }
+    }
+  });
+  return y;
+}
+
+void check_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 x");
+}
+
+// x [..., in] float32 / bfloat16 @ the int8 codes' [out, in] (in rows or tiled), times their row scales: y like x.
+at::Tensor int8_gemm(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scales_, bool tiled) {
+  check_rows(x_, "int8_gemm");
+  TORCH_CHECK(codes_.scalar_type() == at::kChar, "int8_gemm: int8 codes");
+  const at::Tensor x = x_.contiguous(), codes = codes_.contiguous(), scales = scales_.to(at::kFloat).contiguous();
+  const int64_t in = x.size(-1), out = codes.size(0);
+  TORCH_CHECK(codes.size(1) == in && in % QK == 0 && out % TR == 0,
+              "int8_gemm: in must match and be a multiple of 32, out a multiple of 16");
+  const float* sp = scales.data_ptr<float>();
+  const auto q = quantize_rows(x, 0);
+  const Codes codes_of{reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), in, false, tiled};
+  const auto run = [&](auto* typed) {
+    using Y = std::remove_pointer_t<decltype(typed)>;
+    return over_micro_tiles<MR_ROWS, Y>(x, out, q, codes_of, [&](auto M, auto N, int64_t t, const uint8_t* w,
+                                                                 const QRow* const* r, Y* y) {
+      micro<M, N>(w, TR * in, r, in, Int8Scales{sp + t * TR}, y, out);
+    });
+  };
+  return x.scalar_type() == at::kFloat ? run(static_cast<float*>(nullptr)) : run(static_cast<at::BFloat16*>(nullptr));
+}
+
+// x [..., in] @ int4 weights (quantize.py's codes, scales and offsets, in rows or all three tiled): y like x.
+at::Tensor int4_gemm(const at::Tensor& x_, const at::Tensor& packed_, const at::Tensor& scales_,
+                     const at::Tensor& offsets_, bool tiled) {
+  check_rows(x_, "int4_gemm");
+  TORCH_CHECK(packed_.scalar_type() == at::kByte, "int4_gemm: uint8 codes");
+  const int64_t in = x_.size(-1), out = packed_.size(0), n_groups = scales_.size(1), group = in / n_groups;
+  TORCH_CHECK(packed_.size(1) * 2 == in && group % QK == 0 && n_groups * group == in && out % TR == 0,
+              "int4_gemm: groups of a multiple of 32 columns, out a multiple of 16");
+  // the micro-kernel reads scales and offsets per tile ([n_groups][16 rows]); float16 where tiles keep them so
+  const auto per_tile = [&](const at::Tensor& t) {
+    return tiled ? t.contiguous() : t.view({out / TR, TR, n_groups}).transpose(1, 2).contiguous();
+  };
+  const bool half = tiled && scales_.scalar_type() == at::kHalf && offsets_.scalar_type() == at::kHalf;
+  const at::ScalarType stored = half ? at::kHalf : at::kFloat;
+  const at::Tensor x = x_.contiguous(), packed = packed_.contiguous();
+  const at::Tensor scales = per_tile(scales_.to(stored)), offsets = per_tile(offsets_.to(stored));
+  const auto q = quantize_rows(x, group);
+  const Codes codes_of{packed.data_ptr<uint8_t>(), in, true, tiled};
+  const auto run = [&](auto* typed, const auto* sp, const auto* op) {
+    using Y = std::remove_pointer_t<decltype(typed)>;
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
+    const auto product = [&](auto one_block) {
+      constexpr bool ONE = decltype(one_block)::value;
+      return over_micro_tiles<ONE ? MR_ROWS : MR_GROUPS, Y>(x, out, q, codes_of, [&](auto M, auto N, int64_t t,
+                                                                                     const uint8_t* w, const QRow* const* r, Y* y) {
+        const Int4Scales<S, ONE> sc{sp + t * TR * n_groups, op + t * TR * n_groups, TR * n_groups, group};
+        micro<M, N>(w, TR * in, r, in, sc, y, out);
+      });
+    };
+    return group == QK ? product(std::true_type{}) : product(std::false_type{});
+  };
+  const auto typed = [&](const auto* sp, const auto* op) {
+    return x.scalar_type() == at::kFloat ? run(static_cast<float*>(nullptr), sp, op)
+                                         : run(static_cast<at::BFloat16*>(nullptr), sp, op);
+  };
+  return half ? typed(scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>())
+              : typed(scales.data_ptr<float>(), offsets.data_ptr<float>());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(KVFAST_NS, m) {
+  m.def("int8_gemm(Tensor x, Tensor codes, Tensor scales, bool tiled) -> Tensor");
+  m.def("int4_gemm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, bool tiled) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(KVFAST_NS, CPU, m) {
+  m.impl("int8_gemm", &int8_gemm);
+  m.impl("int4_gemm", &int4_gemm);
+}
+#endif
