@@ -22,6 +22,11 @@ namespace {
 #define MR_GROUPS 4
 #endif
 constexpr int NT = 2;
+// Activation codes per chunk of rows that a thread's tiles all multiply before the next chunk: they stay in
+// its share of L2 (a prompt's 2048 rows of 1536 codes did not, and their broadcasts waited on L3).
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES (256 * 1024)
+#endif
 // Up to this many rows a micro-tile takes one tile: the codes of two stream from memory slower than one's.
 constexpr int64_t ONE_TILE_ROWS = 3;
 
@@ -74,7 +79,7 @@ void micro(const uint8_t* w, int64_t stride, const QRow* const* r, int64_t in, c
       __m512i wv[N];
       for (int n = 0; n < N; ++n) wv[n] = _mm512_loadu_si512(wb + n * stride + 64 * k);
       for (int m = 0; m < M; ++m) {
-        const __m512i a = broadcast4(r[m]->q.data() + b + 4 * k);
+        const __m512i a = broadcast4(r[m]->q + b + 4 * k);
         for (int n = 0; n < N; ++n) part[k % C][m][n] = _mm512_dpbusd_epi32(part[k % C][m][n], wv[n], a);
       }
     }
@@ -172,24 +177,28 @@ struct Codes {
 };
 
 // The output's tiles in groups of NT (one for up to ONE_TILE_ROWS rows) split between threads; each group runs
-// over every block of M rows while its codes stay in the cache; run(M, N, t, codes, rows, y) runs one micro-tile.
+// over every block of M rows of a chunk while its codes stay in L1; run(M, N, t, codes, rows, y) runs one
+// micro-tile.
 template <int M, typename Y, typename Run>
-at::Tensor over_micro_tiles(const at::Tensor& x, int64_t out, const std::vector<QRow>& q, const Codes& codes,
+at::Tensor over_micro_tiles(const at::Tensor& x, int64_t out, const QRows& q, const Codes& codes,
                             const Run& run) {
   at::Tensor y = output_like(x, out);
   Y* yp = y.data_ptr<Y>();
   const int64_t rows = static_cast<int64_t>(q.size()), tiles = out / TR;
   const int64_t nt = rows <= ONE_TILE_ROWS ? 1 : NT;
+  const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / codes.in / M) * M;
   at::parallel_for(0, (tiles + nt - 1) / nt, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> buffer;
     const QRow* r[M];
-    for (int64_t t = begin * nt; t < std::min(end * nt, tiles); t += nt) {
-      const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t));
-      const uint8_t* w = codes.tiles(t, n, buffer);
-      for (int64_t m0 = 0; m0 < rows; m0 += M) {
-        const int m = static_cast<int>(std::min<int64_t>(M, rows - m0));
-        for (int i = 0; i < m; ++i) r[i] = &q[m0 + i];
-        dispatch<M, NT>(m, n, [&](auto MM, auto NN) { run(MM, NN, t, w, r, yp + m0 * out + t * TR); });
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      for (int64_t t = begin * nt; t < std::min(end * nt, tiles); t += nt) {
+        const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t));
+        const uint8_t* w = codes.tiles(t, n, buffer);
+        for (int64_t m0 = r0; m0 < std::min(r0 + chunk, rows); m0 += M) {
+          const int m = static_cast<int>(std::min<int64_t>(M, rows - m0));
+          for (int i = 0; i < m; ++i) r[i] = &q[m0 + i];
+          dispatch<M, NT>(m, n, [&](auto MM, auto NN) { run(MM, NN, t, w, r, yp + m0 * out + t * TR); });
+        }
       }
     }
   });

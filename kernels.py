@@ -349,13 +349,11 @@ _integer_prompt = False  # integer_products("prompt")
 
 
 class integer_products:
-    """Where the integer dot products run. "prompt" (--prefill-dtype int8): every eager CPU product of int8 / int4
-    weights over several rows takes the integer GEMM (gemm_cpu.cpp, where this CPU runs the AVX-512 build):
-    each row quantized to Q8_0 as in a decode step. For measuring them (bench.py quantize, engine): "everywhere":
-    every eager CPU product of int8 / int4 weights, whatever its rows, takes int_path(dtype), so a teacher-forced
-    forward measures the quality of a decode step's products (each row is quantized and multiplied on its own, as
-    there); "nowhere": none (Inductor's reductions in fp32, their baseline); compiled graphs are dropped on entry
-    and exit."""
+    """Where the integer dot products run. "prompt" (--prefill-dtype int8): eager CPU products of int8 / int4
+    weights over several rows take the integer GEMM (int_gemm_ops). "everywhere" (bench.py quantize): every eager
+    CPU product of int8 / int4 weights takes int_path(dtype), so a teacher-forced forward measures a decode step's
+    products (each row quantized and multiplied on its own). "nowhere": none (Inductor's fp32 reductions, their
+    baseline); compiled graphs are dropped on entry and exit."""
 
     def __init__(self, where: str) -> None:
         if where not in ("prompt", "everywhere", "nowhere"):
@@ -396,13 +394,6 @@ def int_gemm_ops(x: Tensor, tiled: bool) -> object | None:
 def int_gemm_runs() -> bool:
     """Does this machine run the integer GEMM (the AVX-512 VNNI build of the kernels)?"""
     return native_cpu().avx512_vnni and hasattr(kernels_cpu.ops("avx512-vnni") or object(), "int8_gemm")
-
-
-def in_gemm_dtype(product: Callable[..., Tensor], x: Tensor, *weights: object) -> Tensor:
-    """product(x, *weights) with x in float32 or bfloat16 (the GEMM's), the output in x's dtype."""
-    if x.dtype in (torch.float32, torch.bfloat16):
-        return product(x, *weights)
-    return product(x.float(), *weights).to(x.dtype)
 
 
 def _path(x: Tensor, dtype: torch.dtype) -> str:
@@ -474,7 +465,7 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool 
     path = _path(x, weight.dtype)
     gemm = int_gemm_ops(x, tiled) if scales is not None and kernels_cpu.tileable(*weight.shape) else None
     if gemm is not None:
-        return in_gemm_dtype(gemm.int8_gemm, x, weight, scales, tiled)
+        return gemm.int8_gemm(x if x.dtype == torch.bfloat16 else x.float(), weight, scales, tiled).to(x.dtype)
     if tiled:
         if path == TILED_PATH:
             return int_ops().int8_linear_tiled(x.float(), weight, scales).to(x.dtype)
@@ -535,7 +526,8 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tile
     path = _path(x, packed.dtype)
     gemm = int_gemm_ops(x, tiled) if kernels_cpu.tileable(packed.shape[0], x.shape[-1], scales.shape[1]) else None
     if gemm is not None:  # a short prompt through tiles: 5 tokens of SmolLM2 took 66 ms on a dense copy, now 20
-        return in_gemm_dtype(gemm.int4_gemm, x, packed, scales, offsets, tiled)
+        rows = x if x.dtype == torch.bfloat16 else x.float()
+        return gemm.int4_gemm(rows, packed, scales, offsets, tiled).to(x.dtype)
     if tiled and path == TILED_PATH:
         return int_ops().int4_linear_tiled(x.float(), packed, scales, offsets).to(x.dtype)
     if path == "f-linear":

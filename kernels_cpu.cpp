@@ -35,9 +35,9 @@ inline void int8_dots(const int8_t* w, int64_t in, const QRow& r, float* out) {
     const bool tail = c + 64 > in;  // in is a multiple of 32
     const __mmask64 m8 = tail ? 0xFFFFFFFFull : ~0ull;
     const __mmask16 m32 = tail ? 0xFF : 0xFFFF;
-    const __m512i q = _mm512_maskz_loadu_epi8(m8, r.q.data() + c);
-    const __m512i bias = _mm512_maskz_loadu_epi32(m32, r.bias.data() + c / 4);
-    const __m512 d = _mm512_maskz_loadu_ps(m32, r.d_lane.data() + c / 4);
+    const __m512i q = _mm512_maskz_loadu_epi8(m8, r.q + c);
+    const __m512i bias = _mm512_maskz_loadu_epi32(m32, r.bias + c / 4);
+    const __m512 d = _mm512_maskz_loadu_ps(m32, r.d_lane + c / 4);
 #pragma GCC unroll 8
     for (int k = 0; k < NR; ++k) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_ROWS) * in + c), _MM_HINT_T0);
@@ -66,10 +66,10 @@ inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const
     const bool tail = c + 64 > half;  // half is a multiple of 32
     const __mmask64 m8 = tail ? 0xFFFFFFFFull : ~0ull;
     const __mmask16 m32 = tail ? 0xFF : 0xFFFF;
-    const __m512i qlo = _mm512_maskz_loadu_epi8(m8, r.q.data() + c);
-    const __m512i qhi = _mm512_maskz_loadu_epi8(m8, r.q.data() + half + c);
-    const __m512 dlo = _mm512_maskz_loadu_ps(m32, r.d_lane.data() + c / 4);
-    const __m512 dhi = _mm512_maskz_loadu_ps(m32, r.d_lane.data() + (half + c) / 4);
+    const __m512i qlo = _mm512_maskz_loadu_epi8(m8, r.q + c);
+    const __m512i qhi = _mm512_maskz_loadu_epi8(m8, r.q + half + c);
+    const __m512 dlo = _mm512_maskz_loadu_ps(m32, r.d_lane + c / 4);
+    const __m512 dhi = _mm512_maskz_loadu_ps(m32, r.d_lane + (half + c) / 4);
 #pragma GCC unroll 8
     for (int k = 0; k < NR; ++k) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_ROWS) * half + c), _MM_HINT_T0);
@@ -89,7 +89,7 @@ inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const
     for (int64_t g = 0; g < n_groups; g += 16) {
       const __mmask16 m = n_groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n_groups - g)) - 1);
       o = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, off + k * n_groups + g),
-                          _mm512_maskz_loadu_ps(m, r.group_sum.data() + g), o);
+                          _mm512_maskz_loadu_ps(m, r.group_sum + g), o);
     }
     out[k] = _mm512_reduce_add_ps(acc[k]) + _mm512_reduce_add_ps(o);
   }
@@ -110,7 +110,7 @@ inline __m512 int8_tile_dots(const uint8_t* w, const QRow& r, int64_t in) {
                     _mm512_setzero_si512()};
 #pragma GCC unroll 8
     for (int k = 0; k < QK / 4; ++k)
-      s[k % 4] = _mm512_dpbusd_epi32(s[k % 4], _mm512_loadu_si512(wb + 64 * k), broadcast4(r.q.data() + b + 4 * k));
+      s[k % 4] = _mm512_dpbusd_epi32(s[k % 4], _mm512_loadu_si512(wb + 64 * k), broadcast4(r.q + b + 4 * k));
     const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(r.d_lane[b / 4]), acc);
   }
@@ -135,9 +135,9 @@ inline __m512 int4_tile_dots(const uint8_t* w, const S* ws, const S* off, const 
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
         const __m512i bytes = _mm512_loadu_si512(wb + 64 * k);
-        lo[k % 2] = _mm512_dpbusd_epi32(lo[k % 2], _mm512_and_si512(bytes, low), broadcast4(r.q.data() + b + 8 * k));
+        lo[k % 2] = _mm512_dpbusd_epi32(lo[k % 2], _mm512_and_si512(bytes, low), broadcast4(r.q + b + 8 * k));
         hi[k % 2] = _mm512_dpbusd_epi32(hi[k % 2], _mm512_and_si512(bytes, high),
-                                        broadcast4(r.q.data() + b + 8 * k + 4));
+                                        broadcast4(r.q + b + 8 * k + 4));
       }
       const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(lo[0], lo[1]), 4),
                                            _mm512_add_epi32(hi[0], hi[1]));
@@ -162,7 +162,7 @@ inline float int8_dot(const int8_t* w, const QRow& r, int64_t in) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t c = 0; c < in; c += 32) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
-    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q.data() + c));
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + c));
     const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(qv, wv));
     const __m256i s = _mm256_madd_epi16(p, ones);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(r.d_lane[c / 4]), acc);
@@ -179,8 +179,8 @@ inline float int4_dot(const uint8_t* w, const float* ws, const float* off, const
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
     const __m256i lo = _mm256_and_si256(bytes, nib);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib);
-    const __m256i qlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q.data() + c));
-    const __m256i qhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q.data() + half + c));
+    const __m256i qlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + c));
+    const __m256i qhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + half + c));
     const __m256i slo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, qlo), ones);
     const __m256i shi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, qhi), ones);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(slo), _mm256_set1_ps(r.d_lane[c / 4] * ws[c >> gshift]), acc);
@@ -306,7 +306,7 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& packed_, const at
 #if defined(KVFAST_AVX512)
 // The tiles of [out] output rows split between threads; tile(t, r) -> the 16 outputs of tile t for activation row r.
 template <typename Tile>
-at::Tensor over_tiles(const at::Tensor& x, int64_t out, const std::vector<QRow>& q, const Tile& tile) {
+at::Tensor over_tiles(const at::Tensor& x, int64_t out, const QRows& q, const Tile& tile) {
   at::Tensor y = output_like(x, out);
   float* yp = y.data_ptr<float>();
   const int64_t rows = static_cast<int64_t>(q.size());
@@ -442,7 +442,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_) {
   qs.back() = in / QK;
   at::Tensor d = at::empty(qs, x.options());
   for (int64_t r = 0; r < rows; ++r) {
-    std::copy(q[r].q.begin(), q[r].q.end(), codes.data_ptr<int8_t>() + r * in);
+    std::copy(q[r].q, q[r].q + in, codes.data_ptr<int8_t>() + r * in);
     for (int64_t b = 0; b < in / QK; ++b) d.data_ptr<float>()[r * (in / QK) + b] = q[r].d_lane[b * QK / 4];
   }
   return {codes, d};

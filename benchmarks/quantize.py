@@ -20,6 +20,7 @@ import kernels
 import quantize
 from benchmarks.common import Bench, Flag, row, table, text_ids, time_ours
 from benchmarks.kv_bits import QUALITY_TEXT, QUALITY_TOKENS
+from decode import prefill_dtype
 from model import KVFastError, Transformer
 
 
@@ -46,15 +47,18 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
             with torch.inference_mode(), kernels.integer_products("everywhere" if integer else "nowhere"):
                 lp = F.log_softmax(m(ids, all_logits=True)[0, :-1], -1)
             nll = -lp.gather(-1, ids[0, 1:, None]).mean()
-            bf16_ppl = None  # the same forward with bfloat16 products (--prefill-dtype bfloat16, auto's choice)
+            prefill_ppl = None  # the same forward with a prefill's products (--prefill-dtype auto's choice here)
+            products = str(prefill_dtype("auto", m) or torch.float32).removeprefix("torch.")
             if not integer:
                 with torch.inference_mode(), kernels.integer_products("nowhere"):
-                    lp16 = F.log_softmax(m(ids, all_logits=True, prefill_dtype=torch.bfloat16)[0, :-1].float(), -1)
-                bf16_ppl = (-lp16.gather(-1, ids[0, 1:, None]).mean()).exp().item()
+                    lp16 = F.log_softmax(m(ids, all_logits=True, prefill_dtype=prefill_dtype("auto", m))[0, :-1]
+                                         .float(), -1)
+                prefill_ppl = (-lp16.gather(-1, ids[0, 1:, None]).mean()).exp().item()
             with contextlib.nullcontext() if integer else kernels.integer_products("nowhere"):
                 speed = time_ours(m, prompt, args.new_tokens, True, args.repeats)
             rows[f"{mode} ({path})" if dtype else mode] = {
-                "weight_MB": m.weight_bytes() / 1e6, "ppl": nll.exp().item(), "ppl_bf16_products": bf16_ppl,
+                "weight_MB": m.weight_bytes() / 1e6, "ppl": nll.exp().item(), "ppl_prefill": prefill_ppl,
+                "prefill_products": products,
                 "kl": (ref.exp() * (ref - lp)).sum(-1).mean().item(),
                 "top1": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(), **speed}
             torch._dynamo.reset()
@@ -63,11 +67,11 @@ def bench_quantize(model: Transformer, checkpoint: Path, args: argparse.Namespac
           f"{args.new_tokens} new tokens, median of {args.repeats}; quality: {ids.shape[1]} tokens of "
           f"{args.quality_text!r} teacher-forced, KL(fp32 || mode) and top-1 agreement per position",
           ["weights", "MB", "decode tok/s", "vs fp32", "perplexity", "KL vs fp32", "top-1 vs fp32",
-           "perplexity, bfloat16 products (a prefill's)"])
+           "perplexity, a prefill's products (--prefill-dtype auto)"])
     for mode, r in rows.items():
-        bf16 = "-" if r["ppl_bf16_products"] is None else f"{r['ppl_bf16_products']:.2f}"
+        prefill = "-" if r["ppl_prefill"] is None else f"{r['ppl_prefill']:.2f} ({r['prefill_products']})"
         row(mode, f"{r['weight_MB']:.0f}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / fp32:.2f}x", f"{r['ppl']:.2f}",
-            f"{r['kl']:.4f}", f"{r['top1']:.3f}", bf16)
+            f"{r['kl']:.4f}", f"{r['top1']:.3f}", prefill)
     return rows
 
 
