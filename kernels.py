@@ -255,7 +255,7 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
             _INT_PATHS = paths
             try:
                 for m in mods:
-                    retile(m, False)
+                    kernels_cpu.retile(m, False)
                 tile_weights(mods)  # where `paths` reads tiles
                 step = torch.compile(products, fullgraph=True, dynamic=False)
                 step(*xs)
@@ -269,7 +269,7 @@ def time_int_paths(layers: list[torch.nn.Module]) -> dict[torch.dtype, bool]:
                 t_int, t_red = compiled_seconds(base), compiled_seconds({})
             finally:
                 for m in mods:  # handed back in rows: the Decoder tiles after choosing
-                    retile(m, False)
+                    kernels_cpu.retile(m, False)
         return t_int <= t_red, t_int, t_red
 
     wins = kernels_cpu.remembered_choice(key, list(by_dtype), faster)
@@ -346,6 +346,7 @@ def dynamic_rows() -> Iterator[None]:
 
 
 _integer_prompt = False  # integer_products("prompt")
+_integer_nowhere = False  # integer_products("nowhere")
 
 
 class integer_products:
@@ -367,28 +368,28 @@ class integer_products:
         self._set(False)
 
     def _set(self, on: bool) -> None:
-        global _integer_everywhere, _integer_prompt, _INT_PATHS
+        global _integer_everywhere, _integer_prompt, _integer_nowhere, _INT_PATHS
         if self.where == "everywhere":
             _integer_everywhere = on
         elif self.where == "prompt":
             _integer_prompt = on
         else:
-            _INT_PATHS = {} if on else None
+            _INT_PATHS, _integer_nowhere = {} if on else None, on
             torch._dynamo.reset()
 
 
 def int_gemm_ops(x: Tensor, tiled: bool) -> object | None:
-    """The build with the integer GEMM (int8_gemm / int4_gemm) for an eager CPU product of x [..., in], where its
-    rows take it: under integer_products("prompt"); or over tiled codes, where they take the decode step's integer
-    kernel (under "everywhere", or up to MAX_REDUCTION_ROWS rows of a short prompt: reading the codes once for all
-    rows, not a dense copy of the weight), whose every row the GEMM equals bit for bit. None: another kernel."""
+    """The build with the integer GEMM (int8_gemm / int4_gemm) for an eager CPU product of x [..., in] of tileable
+    codes, where its rows take it: under integer_products("prompt") or "everywhere" (each row is then the tiled
+    decode kernel's product, bit for bit), or up to MAX_REDUCTION_ROWS rows through tiles (a short prompt: the
+    codes read once for all rows, not a dense copy of the weight). None: another kernel."""
     ops = tiled_eager_ops(x)
     if ops is None:
         return None
     rows = x.shape[:-1].numel()
-    if _integer_prompt and rows > 1:
+    if (_integer_prompt and rows > 1) or _integer_everywhere:
         return ops
-    return ops if tiled and (_integer_everywhere or rows <= MAX_REDUCTION_ROWS) else None
+    return ops if tiled and rows <= MAX_REDUCTION_ROWS else None
 
 
 def int_gemm_runs() -> bool:
@@ -396,8 +397,11 @@ def int_gemm_runs() -> bool:
     return native_cpu().avx512_vnni and hasattr(kernels_cpu.ops("avx512-vnni") or object(), "int8_gemm")
 
 
-def _path(x: Tensor, dtype: torch.dtype) -> str:
-    """linear_path for x [..., in] where it runs: compiled on CPU, one token per row if [B, 1, in]."""
+def _path(x: Tensor, dtype: torch.dtype, tiled: bool = False, tileable: bool = False) -> str:
+    """linear_path for x [..., in] where it runs: compiled on CPU, one token per row if [B, 1, in]. A compiled
+    product of tileable int8 / int4 codes follows the layout its Decoder gave them (tile_weights, after
+    time_int_paths): tiles take the tiled kernel, rows the reductions, whatever a later timing of another model's
+    weights of that dtype chose (a benched int8 model left in rows once took the row-major kernel: 81 tok/s)."""
     if _integer_everywhere and dtype in INT_DTYPES and x.device.type == "cpu":
         return int_path(dtype)
     if x.device.type != "cpu":
@@ -406,7 +410,18 @@ def _path(x: Tensor, dtype: torch.dtype) -> str:
     one_token = compiled and x.dim() == 3 and x.shape[1] == 1
     if _dynamic_rows and not one_token:  # a prompt's rows; its last row's logits keep the one-token kernels
         return "f-linear"
-    return linear_path(dtype, x.shape[:-1].numel(), one_token, compiled)
+    path = linear_path(dtype, x.shape[:-1].numel(), one_token, compiled)
+    if compiled and tileable and path == TILED_PATH and not tiled:
+        return "reductions"
+    if compiled and tiled and path == "reductions" and not _integer_nowhere and tiled_kernels():
+        return TILED_PATH
+    return path
+
+
+@torch._dynamo.assume_constant_result
+def tiled_kernels() -> bool:
+    """Does the chosen CPU kind's build multiply tiles (TILED_PATH)?"""
+    return int_paths(timed=False).get(torch.int8) == TILED_PATH
 
 
 def realized(x: Tensor) -> Tensor:
@@ -462,8 +477,9 @@ def int8_gemm(x: Tensor, codes: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool = False) -> Tensor:
     """x @ weight.T; for int8 weights (quantize.py) times the per-row `scales`, the codes in rows or, where
     `tiled`, in kernels_cpu.tile_int8's tiles."""
-    path = _path(x, weight.dtype)
-    gemm = int_gemm_ops(x, tiled) if scales is not None and kernels_cpu.tileable(*weight.shape) else None
+    tileable = weight.dtype == torch.int8 and kernels_cpu.tileable(*weight.shape)
+    path = _path(x, weight.dtype, tiled, tileable)
+    gemm = int_gemm_ops(x, tiled) if scales is not None and tileable else None
     if gemm is not None:
         return gemm.int8_gemm(x if x.dtype == torch.bfloat16 else x.float(), weight, scales, tiled).to(x.dtype)
     if tiled:
@@ -509,7 +525,7 @@ def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, dtype: torc
     if ops is not None and dtype in (torch.float32, torch.bfloat16) and (tiled or half_row % group == 0):
         return ops.int4_dequantize(packed, scales, offsets, dtype, tiled)
     if tiled:
-        packed, scales, offsets = int4_rows(packed, scales, offsets)
+        packed, scales, offsets = kernels_cpu.int4_rows(packed, scales, offsets)
     codes = torch.cat([packed & 15, packed >> 4], 1).view(out, n_groups, -1)
     return torch.addcmul(offsets[..., None], codes.to(scales.dtype), scales[..., None]).view(out, -1).to(dtype)
 
@@ -523,8 +539,9 @@ def int4_dot_fits(in_features: int, n_groups: int) -> bool:
 def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tiled: bool = False) -> Tensor:
     """x @ W.T for int4 weights (dequantize_int4's layouts): integer dot products, reductions or F.linear on the
     dequantized weight."""
-    path = _path(x, packed.dtype)
-    gemm = int_gemm_ops(x, tiled) if kernels_cpu.tileable(packed.shape[0], x.shape[-1], scales.shape[1]) else None
+    tileable = kernels_cpu.tileable(packed.shape[0], x.shape[-1], scales.shape[1])
+    path = _path(x, packed.dtype, tiled, tileable)
+    gemm = int_gemm_ops(x, tiled) if tileable else None
     if gemm is not None:  # a short prompt through tiles: 5 tokens of SmolLM2 took 66 ms on a dense copy, now 20
         rows = x if x.dtype == torch.bfloat16 else x.float()
         return gemm.int4_gemm(rows, packed, scales, offsets, tiled).to(x.dtype)
@@ -533,7 +550,7 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tile
     if path == "f-linear":
         return F.linear(x, dequantize_int4(packed, scales, offsets, x.dtype, tiled))
     if tiled:
-        packed, scales, offsets = int4_rows(packed, scales, offsets)
+        packed, scales, offsets = kernels_cpu.int4_rows(packed, scales, offsets)
     if path.startswith("int-dot") and int4_dot_fits(x.shape[-1], scales.shape[1]):
         return int_ops().int4_linear(x.float(), packed, scales, offsets).to(x.dtype)
     # sum_j x_j (q_j s + o) = sum_j x_j q_j s + o * (x's group sum). The nibbles are split with float
@@ -558,12 +575,6 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tile
 TILED_PATH = "int-dot-avx512-vnni"  # the path whose build reads tiles (int8_linear_tiled, int4_linear_tiled)
 
 
-def int4_rows(packed: Tensor, scales: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Tiled int4 codes, scales and offsets back in quantize.py's rows (kernels_cpu.untile_int4 is the codes' half)."""
-    return (kernels_cpu.untile_int4(packed), kernels_cpu.untile_groups(scales).float(),
-            kernels_cpu.untile_groups(offsets).float())
-
-
 def tile_weights(layers: list[torch.nn.Module], rows: int = 1) -> int:
     """Rearrange in place, into kernels_cpu's tiles of 16 output rows, the int8 / int4 weights of `layers`
     (model.Int8Linear / Int4Linear / Int8Embedding) whose products over a step's `rows` (its batch) take
@@ -578,26 +589,6 @@ def tile_weights(layers: list[torch.nn.Module], rows: int = 1) -> int:
         if (layer.tiled or linear_path(layer.weight.dtype, rows) != TILED_PATH or layer.weight.device.type != "cpu"
                 or not kernels_cpu.tileable(layer.weight.shape[0], columns(layer), groups)):
             continue
-        retile(layer, True)
+        kernels_cpu.retile(layer, True)
         n += 1
     return n
-
-
-def retile(layer: torch.nn.Module, tiled: bool) -> None:
-    """An Int8Linear / Int4Linear / Int8Embedding's codes (and int4 scales and offsets) into tiles, or back into
-    rows. Tiled int4 scales and offsets are kept in float16 where that is exact (quantize_int4 makes them so;
-    older checkpoints keep fp32): 66 instead of 80 MB a step for SmolLM2's projections."""
-    if layer.tiled == tiled:
-        return
-    if not tiled:
-        for name, t in layer.rows().items():
-            setattr(layer, name, t)
-    elif layer.weight.dtype == torch.uint8:
-        layer.weight = kernels_cpu.tile_int4(layer.weight)
-        scales, offsets = kernels_cpu.tile_groups(layer.scales), kernels_cpu.tile_groups(layer.offsets)
-        if all(torch.equal(t.half().float(), t) for t in (scales, offsets)):  # quantize_int4's: float16 is exact
-            scales, offsets = scales.half(), offsets.half()
-        layer.scales, layer.offsets = scales, offsets
-    else:
-        layer.weight = kernels_cpu.tile_int8(layer.weight)
-    layer.tiled = tiled

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("kernels_cpu.cpp", "gemm_cpu.cpp", "attention_cpu.cpp"))  # one extension
 HEADERS = (Path(__file__).with_suffix(".h"),)
@@ -202,3 +203,29 @@ def untile_int4(tiled: torch.Tensor) -> torch.Tensor:
     tiles = tiled.view(out // TILE_ROWS, half // 4, TILE_ROWS, 4).transpose(1, 2)  # [T, 16, in / 8, 4]
     codes = torch.stack([tiles & 15, tiles >> 4], 3).reshape(out, 2 * half)  # columns in order
     return codes[:, :half] | (codes[:, half:] << 4)
+
+
+def int4_rows(packed: Tensor, scales: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Tiled int4 codes, scales and offsets back in quantize.py's rows (untile_int4 is the codes' half)."""
+    return (untile_int4(packed), untile_groups(scales).float(),
+            untile_groups(offsets).float())
+
+
+def retile(layer: torch.nn.Module, tiled: bool) -> None:
+    """An Int8Linear / Int4Linear / Int8Embedding's codes (and int4 scales and offsets) into tiles, or back into
+    rows. Tiled int4 scales and offsets are kept in float16 where that is exact (quantize_int4 makes them so;
+    older checkpoints keep fp32): 66 instead of 80 MB a step for SmolLM2's projections."""
+    if layer.tiled == tiled:
+        return
+    if not tiled:
+        for name, t in layer.rows().items():
+            setattr(layer, name, t)
+    elif layer.weight.dtype == torch.uint8:
+        layer.weight = tile_int4(layer.weight)
+        scales, offsets = tile_groups(layer.scales), tile_groups(layer.offsets)
+        if all(torch.equal(t.half().float(), t) for t in (scales, offsets)):  # quantize_int4's: float16 is exact
+            scales, offsets = scales.half(), offsets.half()
+        layer.scales, layer.offsets = scales, offsets
+    else:
+        layer.weight = tile_int8(layer.weight)
+    layer.tiled = tiled

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attention import attend, prompt_attention
-from kernels import KVFastError, cpu, dequantize_int4, int4_linear, int4_rows, integer_products, linear
-from kernels_cpu import tiled_int8_rows, untile_int8
+from kernels import KVFastError, cpu, dequantize_int4, int4_linear, integer_products, linear
+from kernels_cpu import int4_rows, tiled_int8_rows, untile_int8
 from kv.contract import AttentionCache
 
 

@@ -71,7 +71,7 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tens
     """[out, in] float -> packed codes uint8 [out, in / 2] (column j in the low nibble, j + in / 2 in the high),
     scales and offsets [out, in / group_size]: weight ~ codes * scale + offset within each group of columns.
     Scales and offsets are fp32 values that float16 holds exactly (as Q4_1's): the AVX-512 kernels' tiles keep
-    them in 16 bits (kernels.retile), a sixth of an int4 step's bytes. Offsets round down and scales up, so
+    them in 16 bits (kernels_cpu.retile), a sixth of an int4 step's bytes. Offsets round down and scales up, so
     offset + 15 * scale still spans each group."""
     out, n_in = weight.shape
     w = weight.float().view(out, n_in // group_size, group_size)

@@ -89,7 +89,7 @@ def tiled_tiny(mode: str):
     model = quantize.quantize_model(tiny_model(), mode, 32)
     for m in model.modules():
         if isinstance(m, (quantize.Int8Linear, quantize.Int4Linear, quantize.Int8Embedding)):
-            kernels.retile(m, True)
+            kernels_cpu.retile(m, True)
     return model
 
 

@@ -171,8 +171,8 @@ def test_compiled_decode_through_integer_products(mode, monkeypatch):
                                             == kernels.TILED_PATH)
     with monkeypatch.context() as m:  # eager one-token products through the kernel too (the prefill: the same in both)
         path = kernels._path
-        m.setattr(kernels, "_path", lambda x, dtype: kernels.int_path(dtype) if x.shape[:-1].numel() == 1
-                  and dtype in kernels.INT_DTYPES else path(x, dtype))
+        m.setattr(kernels, "_path", lambda x, dtype, *layout: kernels.int_path(dtype) if x.shape[:-1].numel() == 1
+                  and dtype in kernels.INT_DTYPES else path(x, dtype, *layout))
         eager_tokens, eager_logits = run(decode.Decoder(model))
     decoder.warm_up(prompt)
     recompiles = sum(counters["recompiles"].values())

@@ -6,6 +6,7 @@ import pytest
 import torch
 from numerics import assert_numerically_close
 from test_int_kernels import built, check_against_float64
+from torch._dynamo.testing import EagerAndRecordGraphs
 
 import kernels
 import kernels_cpu
@@ -62,7 +63,7 @@ def test_int4_tiles_keep_float16_scales_where_exact_and_multiply_as_with_fp32():
                        ops.int4_linear_tiled(x, tiled.weight, *fp32_tiles))
     old = layer_pair("int4", 48, 256, tile=False)[0]
     old.scales += 1e-6  # not float16 values
-    kernels.retile(old, True)
+    kernels_cpu.retile(old, True)
     assert old.scales.dtype == torch.float32 and torch.equal(old.rows()["scales"], rows.scales + 1e-6)
 
 
@@ -89,7 +90,7 @@ def layer_pair(mode: str, out: int = 48, n_in: int = 128, tile: bool = True):
             layer.weight, layer.scales, layer.offsets = quantize.quantize_int4(w, 32)
         layers.append(layer)
     if tile:
-        kernels.retile(layers[1], True)
+        kernels_cpu.retile(layers[1], True)
     return layers
 
 
@@ -115,7 +116,7 @@ def test_a_tiled_layer_keeps_its_rows_state_dict_and_products(mode):
     fresh = layer_pair(mode)[1]
     fresh.load_state_dict(rows.state_dict())  # rows copied over the tiles
     assert not fresh.tiled and torch.equal(fresh.weight, rows.weight)
-    kernels.retile(tiled, False)
+    kernels_cpu.retile(tiled, False)
     assert not tiled.tiled and all(torch.equal(getattr(tiled, k), v) for k, v in rows.state_dict().items())
 
 
@@ -148,7 +149,7 @@ def test_a_tiled_int8_embedding_looks_up_its_rows_and_keeps_its_state_dict():
     codes, scales = quantize.quantize_int8(torch.randn(48, 64, generator=torch.Generator().manual_seed(3)))
     for e in (rows, tiled):
         e.weight, e.scales = codes, scales
-    kernels.retile(tiled, True)
+    kernels_cpu.retile(tiled, True)
     idx = torch.tensor([[0, 17, 47], [15, 16, 31]])
     assert tiled.tiled and torch.equal(tiled(idx), rows(idx))
     assert torch.equal(torch.compile(tiled, fullgraph=True, dynamic=False)(idx), rows(idx))
@@ -193,8 +194,30 @@ def test_timing_keeps_the_integer_kernels_of_what_a_decoder_tiled(monkeypatch):
     tiled_ops()
     linear, head = layer_pair("int8", 48, 256, tile=False)[0], quantize.Int8Embedding(48, 64)
     head.weight, head.scales = quantize.quantize_int8(torch.randn(48, 64))
-    kernels.retile(head, True)
+    kernels_cpu.retile(head, True)
     monkeypatch.setattr(kernels, "_TIMED", {})
     monkeypatch.setattr(kernels_cpu, "remembered_choice", lambda *a: pytest.fail("timed a kept dtype"))
     assert kernels.time_int_paths([linear, head]) == {torch.int8: True}
     assert kernels.int_path(torch.int8) == kernels.TILED_PATH
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_compiled_product_follows_its_layers_layout_not_a_later_timing(mode, monkeypatch):
+    """A later timing of another model's weights of this dtype flips the global choice; a layer a Decoder tiled
+    keeps the tiled kernel (untiling it inside every step cost 13 instead of 98 tok/s), and one it left in rows
+    keeps the reductions (the row-major kernel: 81 instead of 141 tok/s in a benched step)."""
+    tiled_ops()
+    rows, tiled = layer_pair(mode, 48, 256)
+    op = "int8_linear_tiled" if mode == "int8" else "int4_linear_tiled"
+    x = torch.randn(1, 1, 256)
+    for flipped_to_integer, layer, kernel in ((False, tiled, op), (True, rows, None)):
+        monkeypatch.setattr(kernels, "_INT_PATHS", {} if not flipped_to_integer else None)
+        monkeypatch.setattr(kernels, "_TIMED", {layer.weight.dtype: flipped_to_integer})
+        torch._dynamo.reset()
+        graphs = EagerAndRecordGraphs()
+        with torch.no_grad():
+            torch.compile(layer, fullgraph=True, dynamic=False, backend=graphs)(x)
+        targets = {str(n.target) for g in graphs.graphs for n in g.graph.nodes}
+        assert any(op in t for t in targets) == (kernel is not None)
+        assert not any("linear" in t and "kvfast" in t for t in targets) or kernel is not None
+    torch._dynamo.reset()
