@@ -1,6 +1,6 @@
-// Integer dot-product linear layers for one-token decode steps on CPU (kernels_cpu.py builds this file and
-// attention_cpu.cpp at first use with the flags of the detected CPU kind and registers their ops under the
-// namespace KVFAST_NS).
+// Integer dot-product linear layers for one-token decode steps on CPU (kernels_cpu.py builds this file,
+// gemm_cpu.cpp (the same products over a prompt's rows) and attention_cpu.cpp at first use with the flags of the
+// detected CPU kind and registers their ops under the namespace KVFAST_NS; kernels_cpu.h is what they share).
 //
 // llama.cpp's scheme: each activation row is quantized per block of 32 columns to int8 (Q8_0: one fp32 scale
 // d = max|x| / 127 per block), multiplied with the weight codes in int32 (exact), and each block's integer sum
