@@ -62,9 +62,13 @@ class QRows {
 };
 
 #if defined(KVFAST_AVX512)
-inline __m512 load_row16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load_row16(const at::BFloat16* x) {  // 16 bfloat16 values, widened exactly
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+// 16 values widened to fp32, exactly: activation rows (float32 / bfloat16), int4 scales (float32 / float16)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 #endif
@@ -74,7 +78,7 @@ template <typename T>
 void quantize_row(const T* x, int64_t in, int64_t group, const QRow& r) {
   for (int64_t b = 0; b < in; b += QK) {
 #if defined(KVFAST_AVX512)
-    const __m512 v0 = load_row16(x + b), v1 = load_row16(x + b + 16);
+    const __m512 v0 = load16(x + b), v1 = load16(x + b + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float d = amax / 127.f;
     const float id = d != 0.f ? 1.f / d : 0.f;
@@ -120,10 +124,6 @@ inline __m512i broadcast4(const int8_t* q) {  // 4 activation codes to every lan
   return _mm512_set1_epi32(v);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {  // 16 float16 values, widened exactly
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 #endif
 
