@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
                       prefill_dtype=prefill_dtype(args.prefill_dtype, model, args.compile_prefill))
     runner = decoder if args.speculate is None else speculator(model, decoder, args, len(ids), dtype)
     stop_ids = None if args.ignore_eos else tokenizer.stop_ids
-    weight_bytes = model.weight_bytes()
+    weight_bytes = model.weight_bytes(step=True)
     compiled = args.compile or args.compile_prefill
     if compiled:
         warm_up(runner, idx, args)

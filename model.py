@@ -350,11 +350,17 @@ class Transformer(nn.Module):
         head = self.tok_embeddings if self.output is None else self.output
         return linear(h, head.weight, getattr(head, "scales", None), getattr(head, "tiled", False)).float()
 
-    def weight_bytes(self) -> int:
-        """Bytes of the weights one decode step reads (quantized weights are buffers; rope tables are not)."""
+    def weight_bytes(self, step: bool = False) -> int:
+        """Bytes of the weights (quantized weights are buffers; rope tables are not). step: the bytes one decode
+        step reads, where an untied token embedding table is one row (the head reads a tied one whole)."""
         tensors = [*self.parameters(), *(b for n, b in self.named_buffers() if not n.startswith("rope_")
                                          and ".kv_cache." not in n)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if step and self.output is not None:
+            table = sum(t.numel() * t.element_size() for t in (*self.tok_embeddings.parameters(),
+                                                                 *self.tok_embeddings.buffers()))
+            total -= table - table // self.args.vocab_size
+        return total
 
     @classmethod
     def from_checkpoint(cls, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:

