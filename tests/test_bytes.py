@@ -137,7 +137,6 @@ def test_bad_byte_budget_flags_are_one_line(capsys):
         assert message in err and len(err.splitlines()) == 1
 
 
-
 @pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_steps_weight_bytes_read_one_row_of_an_untied_embedding(mode, tied):
