@@ -25,8 +25,8 @@ def requantized(src: Path, fmt: str) -> Path:
         raise KVFastError(f"unknown llama.cpp weight format {fmt!r}: choose one of {', '.join(FORMATS)}")
     qtype, kinds = gguf.GGMLQuantizationType[fmt], gguf.GGMLQuantizationType
     reader = gguf.GGUFReader(src)
-    redo = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2
-            and t.tensor_type not in (qtype, kinds.F32, kinds.F16, kinds.BF16)]
+    redo = {t.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2
+            and t.tensor_type not in (qtype, kinds.F32, kinds.F16, kinds.BF16)}
     if not redo:
         return src
     stem = re.sub(r"[.](Q[0-9]\w*|F16|F32|BF16)$", "", src.stem)  # SmolLM2-135M-Instruct.Q4_1 -> its name
@@ -42,7 +42,7 @@ def requantized(src: Path, fmt: str) -> Path:
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
     for t in reader.tensors:
-        if any(t is r for r in redo):
+        if t.name in redo:
             try:
                 rows = gguf.quants.dequantize(t.data, t.tensor_type)  # [out, in] float32
             except NotImplementedError:
