@@ -261,19 +261,27 @@ def test_compile_flag_errors_are_one_line(argv, expected, capsys):
 
 def test_compile_mode_reaches_every_compiled_function(monkeypatch):
     seen = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn.__name__, kw.get("mode"))) or fn)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn.__name__, kw.get("mode") or
+                                                                          kw.get("options"))) or fn)
     model = tiny_model()
     decoder = decode.Decoder(model, compile=True, mode="max-autotune-no-cudagraphs", scope="step")
     mode = "max-autotune-no-cudagraphs"  # the tiers' recall step and flush are compiled with it too
-    assert seen == [(name, mode) for name in
-                    ("decode_step", "decode_step_recall", "caches_work_refresh", "caches_work_flush")]
+    # what runs once per token gets the mode as Inductor options, with the CPU step's own (a C++ wrapper)
+    options = {"max_autotune": True, "coordinate_descent_tuning": True, **decode.CPU_WHOLE_STEP_OPTIONS}
+    assert options["cpp_wrapper"] and not options["size_asserts"]
+    assert seen == [("decode_step", options), ("decode_step_recall", options),
+                    ("caches_work_refresh", mode), ("caches_work_flush", mode)]
     assert decoder.mode == "max-autotune-no-cudagraphs"
     seen.clear()
     decode.Decoder(model, compile=True, mode=mode, scope="block")
-    assert sorted(seen) == sorted((name, mode) for name in  # the layerwise step's layer and head too
-                                  ("decode_step_run_block", "decode_step_recall_run_block", "run_layer",
-                                   "logits_and_sample", "cache_work_refresh", "cache_work_flush"))
+    options = {"max_autotune": True, "coordinate_descent_tuning": True, **decode.CPU_STEP_OPTIONS}
+    assert "cpp_wrapper" not in options  # Inductor's C++ wrapper cannot call a nested region
+    per_token = ("decode_step_run_block", "decode_step_recall_run_block", "run_layer", "logits_and_sample")
+    assert sorted(seen, key=str) == sorted([(name, options) for name in per_token] +  # the layerwise step's too
+                                           [(name, mode) for name in ("cache_work_refresh", "cache_work_flush")],
+                                           key=str)
     assert decode.Decoder(model, compile=True).mode == "default"  # CPU; reduce-overhead on CUDA
+    assert decode.step_compile_options("reduce-overhead", "cuda:0", "step") == {"mode": "reduce-overhead"}
 
 
 def test_new_flags_have_help(capsys):
