@@ -168,7 +168,8 @@ def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tens
     converted and multiplied once per query head instead of dequantized once per query head.
 
     Float K/V given whole take attention_cpu.cpp's one-query kernel where attention_path() has it: the same
-    roundings, each key and value read once for the g query heads of its KV head, and masked slots not read."""
+    roundings, each key and value read once for the g query heads of its KV head, and masked slots not read
+    (bfloat16 K/V on AVX512-BF16: both products on vdpbf16ps)."""
     B, H, _, D = q.shape
     n_kv = mask.shape[1]
     if (isinstance(k, Tensor) and isinstance(v, Tensor) and q.dtype == torch.float32 and k.dtype in ONE_QUERY_DTYPES and v.dtype == k.dtype

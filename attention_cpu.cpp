@@ -70,10 +70,18 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 constexpr int64_t KEY_BLOCK = 128;  // keys per task: a 512-slot cache of 3 KV heads is 12 tasks for 2 threads
 
+// The one-query and the prompt kernels below are compiled for AVX512-BF16; the one-query kernel runs its bfloat16
+// instructions only where dot is set (bfloat16 K/V on a CPU that has them), and GCC emits them for nothing but
+// their intrinsics, so its other instantiations run on any AVX-512 CPU.
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+
 // q [B, n_kv, g, D] fp32; k, v [B, n_kv, T, D] (fp32 / fp16 / bf16); mask [B, n_kv, T] bool (True: attend).
 // Returns out [B, n_kv, g, D] fp32 and the probabilities [B, n_kv, g, T] fp32 (0 at masked slots). g and
-// D / 16 are template parameters, so the accumulators of a key's g heads stay in registers.
-template <typename T, int g, int nd>
+// D / 16 are template parameters, so the accumulators of a key's g heads stay in registers. dot (bfloat16 K/V):
+// both products on vdpbf16ps, two channels (q . k) or two keys (p v) a lane, half the multiply-adds of fp32 FMAs,
+// which bound this kernel (a key costs about as much as its bytes take to read at 2 threads); the same roundings.
+template <typename T, int g, int nd, bool dot = false>
 void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                               double scale, at::Tensor& out, at::Tensor& probs) {
   const int64_t BH = q.size(0) * q.size(1), D = 16 * nd, Tn = k.size(2);
@@ -90,8 +98,12 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, t0 = (task % blocks) * KEY_BLOCK, t1 = std::min(Tn, t0 + KEY_BLOCK);
       __m512 qv[g][nd];
-      for (int j = 0; j < g; ++j)
+      __m512bh qb[g][nd / 2];  // dot: the rounded query, 32 channels a register
+      for (int j = 0; j < g; ++j) {
         for (int c = 0; c < nd; ++c) qv[j][c] = round16<T>(_mm512_loadu_ps(qp + (bh * g + j) * D + 16 * c));
+        if constexpr (dot)
+          for (int c = 0; c < nd / 2; ++c) qb[j][c] = _mm512_cvtne2ps_pbh(qv[j][2 * c + 1], qv[j][2 * c]);
+      }
       // four keys at a time: their four sums per head come out of one transposing reduction
       for (int64_t t = t0; t < t1; t += 4) {
         const int n = static_cast<int>(std::min<int64_t>(4, t1 - t));
@@ -106,9 +118,16 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
           for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
         for (int i = 0; i < n; ++i) {
           const T* kt = kp + (bh * Tn + t + i) * D;
-          for (int c = 0; c < nd; ++c) {
-            const __m512 kc = load16(kt + 16 * c);
-            for (int j = 0; j < g; ++j) acc[j][i] = _mm512_fmadd_ps(qv[j][c], kc, acc[j][i]);
+          if constexpr (dot) {
+            for (int c = 0; c < nd / 2; ++c) {
+              const __m512bh kc = (__m512bh)_mm512_loadu_si512(kt + 32 * c);
+              for (int j = 0; j < g; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], qb[j][c], kc);
+            }
+          } else {
+            for (int c = 0; c < nd; ++c) {
+              const __m512 kc = load16(kt + 16 * c);
+              for (int j = 0; j < g; ++j) acc[j][i] = _mm512_fmadd_ps(qv[j][c], kc, acc[j][i]);
+            }
           }
         }
         for (int j = 0; j < g; ++j) {
@@ -183,14 +202,49 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
       __m512 acc[g][nd];
       for (int j = 0; j < g; ++j)
         for (int c = 0; c < nd; ++c) acc[j][c] = _mm512_setzero_ps();
-      for (int64_t t = t0; t < t1; ++t) {
-        if (!mp[bh * Tn + t]) continue;
-        const T* vt = vp + (bh * Tn + t) * D;
-        __m512 p[g];
-        for (int j = 0; j < g; ++j) p[j] = _mm512_set1_ps(rounded[j][t - t0]);
-        for (int c = 0; c < nd; ++c) {
-          const __m512 vc = load16(vt + 16 * c);
-          for (int j = 0; j < g; ++j) acc[j][c] = _mm512_fmadd_ps(p[j], vc, acc[j][c]);
+      if constexpr (dot) {
+        // keys t and t + 1 a step: their values interleaved channel by channel (per 128-bit lane: acc[j][2c] gets
+        // channels 8L..8L+3 of the 32 at 32c, acc[j][2c + 1] 8L+4..8L+7), their probabilities a pair per lane.
+        // A masked key's value is not read (zeros instead), as below
+        for (int64_t t = t0; t < t1; t += 2) {
+          const bool a = mp[bh * Tn + t], b = t + 1 < t1 && mp[bh * Tn + t + 1];
+          if (!(a || b)) continue;
+          const T* vt = vp + (bh * Tn + t) * D;
+          __m512bh p[g];
+          for (int j = 0; j < g; ++j) {  // the rounded probabilities are bfloat16 values: their top halves
+            uint32_t lo, hi = 0;
+            std::memcpy(&lo, &rounded[j][t - t0], 4);
+            if (b) std::memcpy(&hi, &rounded[j][t + 1 - t0], 4);
+            p[j] = (__m512bh)_mm512_set1_epi32(static_cast<int>((lo >> 16) | (hi & 0xFFFF0000u)));
+          }
+          for (int c = 0; c < nd / 2; ++c) {
+            const __m512i x = _mm512_maskz_loadu_epi16(a ? ~0u : 0u, vt + 32 * c);
+            const __m512i y = _mm512_maskz_loadu_epi16(b ? ~0u : 0u, vt + D + 32 * c);
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+            for (int j = 0; j < g; ++j) {
+              acc[j][2 * c] = _mm512_dpbf16_ps(acc[j][2 * c], lo, p[j]);
+              acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], hi, p[j]);
+            }
+          }
+        }
+        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for (int j = 0; j < g; ++j)
+          for (int c = 0; c < nd / 2; ++c) {
+            const __m512 lo = acc[j][2 * c], hi = acc[j][2 * c + 1];
+            acc[j][2 * c] = _mm512_permutex2var_ps(lo, first, hi);
+            acc[j][2 * c + 1] = _mm512_permutex2var_ps(lo, second, hi);
+          }
+      } else {
+        for (int64_t t = t0; t < t1; ++t) {
+          if (!mp[bh * Tn + t]) continue;
+          const T* vt = vp + (bh * Tn + t) * D;
+          __m512 p[g];
+          for (int j = 0; j < g; ++j) p[j] = _mm512_set1_ps(rounded[j][t - t0]);
+          for (int c = 0; c < nd; ++c) {
+            const __m512 vc = load16(vt + 16 * c);
+            for (int j = 0; j < g; ++j) acc[j][c] = _mm512_fmadd_ps(p[j], vc, acc[j][c]);
+          }
         }
       }
       float* dst = part.data() + task * g * D;
@@ -220,11 +274,16 @@ std::tuple<at::Tensor, at::Tensor> one_query_attention(const at::Tensor& q_, con
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor probs = at::empty({q.size(0), q.size(1), q.size(2), k.size(2)}, q.options());
   const int64_t g = q.size(2), nd = q.size(3) / 16;
+  static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "one_query_attention", [&] {
     using T = std::conditional_t<std::is_same_v<scalar_t, double>, float, scalar_t>;
     TORCH_CHECK((!std::is_same_v<scalar_t, double>), "one_query_attention: K/V in float32, float16 or bfloat16");
-    const auto run = [&](auto G, auto ND) { one_query_attention_impl<T, decltype(G)::value, decltype(ND)::value>(
-                                                q, k, v, mask, scale, out, probs); };
+    const auto run = [&](auto G, auto ND) {
+      constexpr int gv = decltype(G)::value, ndv = decltype(ND)::value;
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        if (bf16_dot) return one_query_attention_impl<T, gv, ndv, true>(q, k, v, mask, scale, out, probs);
+      one_query_attention_impl<T, gv, ndv>(q, k, v, mask, scale, out, probs);
+    };
     const auto with_g = [&](auto ND) {
       switch (g) {
         case 1: run(std::integral_constant<int, 1>{}, ND); break;
@@ -250,9 +309,6 @@ std::tuple<at::Tensor, at::Tensor> one_query_attention(const at::Tensor& q_, con
 // dword); each query row's channel pairs, and its probabilities' key pairs, are broadcast. The softmax is online
 // (a running max and sum per row, in fp32); the probabilities are rounded to bfloat16 for V's product, as ATen's
 // flash attention rounds them. Rows of PR queries share each load of K and V.
-#pragma GCC push_options
-#pragma GCC target("avx512bf16")
-
 constexpr int64_t PQ = 16;  // query positions per task (of every head of the group)
 constexpr int PR = 4;       // query rows sharing each load of K and V
 constexpr int64_t PK = 32;  // keys per step of the online softmax

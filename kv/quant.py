@@ -27,8 +27,8 @@ KV_FLOATS = ("auto", "float16", "bfloat16")  # --kv-bits 16: which 16-bit float
 
 
 def kv_float_dtype(choice: str, device: str | torch.device, verifies: bool = False) -> torch.dtype:
-    """--kv-float: auto is float16 (llama.cpp's cache; a one-query step reads it at bfloat16's speed without
-    rounding its attention), except for a speculative verification (verifies: K + 1 queries a step) on a CPU with
+    """--kv-float: auto is float16 (llama.cpp's cache; a one-query step reads it within about 10 % of bfloat16's
+    speed without rounding its attention, docs/speed.md), except for a speculative verification (verifies: K + 1 queries a step) on a CPU with
     bfloat16 dot products (kernels.cpu(): AVX512-BF16 or AMX tiles), where attention's bfloat16 products run 2.5x
     fp32's over a 4096-token cache (docs/speed.md) and bfloat16 is chosen."""
     if choice == "auto":
