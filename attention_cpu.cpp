@@ -78,9 +78,10 @@ constexpr int64_t KEY_BLOCK = 128;  // keys per task: a 512-slot cache of 3 KV h
 
 // q [B, n_kv, g, D] fp32; k, v [B, n_kv, T, D] (fp32 / fp16 / bf16); mask [B, n_kv, T] bool (True: attend).
 // Returns out [B, n_kv, g, D] fp32 and the probabilities [B, n_kv, g, T] fp32 (0 at masked slots). g and
-// D / 16 are template parameters, so the accumulators of a key's g heads stay in registers. dot (bfloat16 K/V):
-// both products on vdpbf16ps, two channels (q . k) or two keys (p v) a lane, half the multiply-adds of fp32 FMAs,
-// which bound this kernel (a key costs about as much as its bytes take to read at 2 threads); the same roundings.
+// D / 16 are template parameters, so the accumulators of a key's g heads can be registers (up to 4 heads; more
+// spill). dot (bfloat16 K/V): both products on vdpbf16ps, two channels (q . k) or two keys (p v) a lane, with the
+// same roundings: half the multiply-adds, but 1.1x, not 2x, since the sums' reductions and the softmax weigh as
+// much (docs/speed.md).
 template <typename T, int g, int nd, bool dot = false>
 void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                               double scale, at::Tensor& out, at::Tensor& probs) {
