@@ -78,10 +78,10 @@ constexpr int64_t KEY_BLOCK = 128;  // keys per task: a 512-slot cache of 3 KV h
 
 // q [B, n_kv, g, D] fp32; k, v [B, n_kv, T, D] (fp32 / fp16 / bf16); mask [B, n_kv, T] bool (True: attend).
 // Returns out [B, n_kv, g, D] fp32 and the probabilities [B, n_kv, g, T] fp32 (0 at masked slots). g and
-// D / 16 are template parameters, so the accumulators of a key's g heads can be registers (up to 4 heads; more
-// spill). dot (bfloat16 K/V): both products on vdpbf16ps, two channels (q . k) or two keys (p v) a lane, with the
-// same roundings: half the multiply-adds, but 1.1x, not 2x, since the sums' reductions and the softmax weigh as
-// much (docs/speed.md).
+// D / 16 are template parameters, so the scores' accumulators (four keys of up to four heads) are registers, and
+// one exp a key and head serves both the block's sum and the probability. dot (bfloat16 K/V): both products on
+// vdpbf16ps, two channels (q . k) or two keys (p v) a lane, with the same roundings: half the multiply-adds, but
+// about 1.1x, not 2x, since the sums' reductions and the softmax weigh as much (docs/speed.md).
 template <typename T, int g, int nd, bool dot = false>
 void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                               double scale, at::Tensor& out, at::Tensor& probs) {
@@ -114,36 +114,43 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
             for (int i = 0; i < n; ++i) pp[(bh * g + j) * Tn + t + i] = minus_inf;
           continue;
         }
-        __m512 acc[g][4];
-        for (int j = 0; j < g; ++j)
-          for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
-        for (int i = 0; i < n; ++i) {
-          const T* kt = kp + (bh * Tn + t + i) * D;
-          if constexpr (dot) {
-            for (int c = 0; c < nd / 2; ++c) {
-              const __m512bh kc = (__m512bh)_mm512_loadu_si512(kt + 32 * c);
-              for (int j = 0; j < g; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], qb[j][c], kc);
-            }
-          } else {
-            for (int c = 0; c < nd; ++c) {
-              const __m512 kc = load16(kt + 16 * c);
-              for (int j = 0; j < g; ++j) acc[j][i] = _mm512_fmadd_ps(qv[j][c], kc, acc[j][i]);
+        // up to four heads at a time, so that their 16 accumulators stay registers (with all g heads at once,
+        // 7 of them spilled); always four keys (past t1 the last key again, its sum dropped), for the same reason
+        const auto heads = [&](auto first) {
+          constexpr int j0 = decltype(first)::value, jn = std::min(4, g - j0);
+          __m512 acc[jn][4];
+          for (int j = 0; j < jn; ++j)
+            for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
+          for (int i = 0; i < 4; ++i) {
+            const T* kt = kp + (bh * Tn + std::min<int64_t>(t + i, t1 - 1)) * D;
+            if constexpr (dot) {
+              for (int c = 0; c < nd / 2; ++c) {
+                const __m512bh kc = (__m512bh)_mm512_loadu_si512(kt + 32 * c);
+                for (int j = 0; j < jn; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], qb[j0 + j][c], kc);
+              }
+            } else {
+              for (int c = 0; c < nd; ++c) {
+                const __m512 kc = load16(kt + 16 * c);
+                for (int j = 0; j < jn; ++j) acc[j][i] = _mm512_fmadd_ps(qv[j0 + j][c], kc, acc[j][i]);
+              }
             }
           }
-        }
-        for (int j = 0; j < g; ++j) {
-          const __m128 sums = sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-          float* dst = pp + (bh * g + j) * Tn + t;
-          if (n == 4) {
-            _mm_storeu_ps(dst, sums);
-          } else {
-            alignas(16) float tmp[4];
-            _mm_store_ps(tmp, sums);
-            for (int i = 0; i < n; ++i) dst[i] = tmp[i];
+          for (int j = 0; j < jn; ++j) {
+            const __m128 sums = sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+            float* dst = pp + (bh * g + j0 + j) * Tn + t;
+            if (n == 4) {
+              _mm_storeu_ps(dst, sums);
+            } else {
+              alignas(16) float tmp[4];
+              _mm_store_ps(tmp, sums);
+              for (int i = 0; i < n; ++i) dst[i] = tmp[i];
+            }
+            for (int i = 0; i < n; ++i)
+              if (!mt[i]) dst[i] = minus_inf;
           }
-          for (int i = 0; i < n; ++i)
-            if (!mt[i]) dst[i] = minus_inf;
-        }
+        };
+        heads(std::integral_constant<int, 0>{});
+        if constexpr (g > 4) heads(std::integral_constant<int, 4>{});
       }
       for (int j = 0; j < g; ++j) {
         float* s = pp + (bh * g + j) * Tn;
@@ -159,13 +166,13 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
         }
         const float mx = _mm512_reduce_max_ps(m);
         __m512 sum = _mm512_setzero_ps();
-        if (mx != minus_inf) {
-          for (int64_t t = t0; t < t1; t += 16) {
-            const __mmask16 live = t1 - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t1 - t)) - 1);
-            const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
-            const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(minus_inf), _CMP_NEQ_OQ);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(mx)))));
-          }
+        for (int64_t t = t0; t < t1; t += 16) {  // e^(score - block max) in place (0 where masked), and their sum
+          const __mmask16 live = t1 - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t1 - t)) - 1);
+          const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
+          const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(minus_inf), _CMP_NEQ_OQ);
+          const __m512 e = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
+          _mm512_mask_storeu_ps(s + t, live, e);
+          sum = _mm512_add_ps(sum, e);
         }
         bmax[(bh * blocks + task % blocks) * g + j] = mx;
         bsum[(bh * blocks + task % blocks) * g + j] = _mm512_reduce_add_ps(sum);
@@ -190,12 +197,11 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
       alignas(64) float rounded[g][KEY_BLOCK];  // the probabilities as the values' product sees them
       for (int j = 0; j < g; ++j) {
         float* s = pp + (bh * g + j) * Tn;
-        const __m512 mx = _mm512_set1_ps(M[bh * g + j]), inv = _mm512_set1_ps(1.f / L[bh * g + j]);
+        const float m = bmax[task * g + j];  // the block's e^(score - m) become e^(score - M) / L by one product
+        const __m512 factor = _mm512_set1_ps(m == minus_inf ? 0.f : std::exp(m - M[bh * g + j]) / L[bh * g + j]);
         for (int64_t t = t0; t < t1; t += 16) {
           const __mmask16 live = t1 - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t1 - t)) - 1);
-          const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
-          const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(minus_inf), _CMP_NEQ_OQ);
-          const __m512 p = _mm512_maskz_mov_ps(keep, _mm512_mul_ps(exp_ps(_mm512_sub_ps(x, mx)), inv));
+          const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + t), factor);
           _mm512_mask_storeu_ps(s + t, live, p);
           _mm512_mask_storeu_ps(rounded[j] + (t - t0), live, round16<T>(p));
         }
