@@ -367,9 +367,8 @@ class Decoder:
         self.prefill = partial(prefill, chunk=prefill_chunk, dtype=prefill_dtype)
         self.steps = {recall: STEPS[recall, False] for recall in (False, True)}
         self.refresh, self.flush = WORK["refresh", False], WORK["flush", False]
-        self.device = str(next(model.parameters()).device)
         if compile:
-            device = self.device
+            device = str(next(model.parameters()).device)
             self.mode = mode or default_compile_mode(device)
             scope = scope or default_compile_scope(device)
             if self.mode not in COMPILE_MODES:
@@ -386,7 +385,7 @@ class Decoder:
                 rows = max((c.batch_size for c in getattr(model, "caches", None) or [] if hasattr(c, "batch_size")),
                            default=1)
                 tile_weights(quantized, rows)
-            self._compile()
+            self._compile(device)
         if compile_prefill:
             if kvzip.needs_context_pass(model):
                 raise KVFastError("--compile-prefill cannot compile kvzip's reconstruction pass (it runs eagerly)")
@@ -398,9 +397,9 @@ class Decoder:
             self.prefill = partial(prefill, chunk=None, dtype=prefill_dtype,
                                    logits_of=compiled_prompt_logits())
 
-    def _compile(self) -> None:
+    def _compile(self, device: str) -> None:
         compiled = partial(torch.compile, mode=self.mode, fullgraph=True)
-        per_token = partial(torch.compile, fullgraph=True, **step_compile_options(self.mode, self.device, self.scope))
+        per_token = partial(torch.compile, fullgraph=True, **step_compile_options(self.mode, device, self.scope))
         if self.scope == "step":  # the whole step, all layers traced into one graph (gpt-fast)
             self.steps = {recall: per_token(STEPS[recall, False]) for recall in (False, True)}
             self.refresh = refresh_as_compiled(compiled(WORK["refresh", False]))
