@@ -19,11 +19,12 @@
 
 namespace {
 
-#if defined(KVFAST_AVX512)
 // Rows ahead whose bytes are prefetched (a hint: past the matrix's end it never faults).
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
 #endif
+
+#if defined(KVFAST_AVX512)
 // NR output rows at once: each activation vector is loaded once for all of them, and NR independent
 // accumulation chains keep the loads of NR weight rows in flight.
 template <int NR>
@@ -157,39 +158,61 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// A row's codes stream in order (rows side by side would interleave their streams, which from memory ran at
+// half the speed); two blocks a step into two accumulators, so a step does not wait on the last multiply-add.
 inline float int8_dot(const int8_t* w, const QRow& r, int64_t in) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t c = 0; c < in; c += 32) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const auto block = [&](int64_t c, __m256& a) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
     const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + c));
     const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(qv, wv));
-    const __m256i s = _mm256_madd_epi16(p, ones);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(r.d_lane[c / 4]), acc);
+    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(r.d_lane[c / 4]), a);
+  };
+  int64_t c = 0;
+  for (; c + 64 <= in; c += 64) {
+    block(c, acc[0]);
+    block(c + 32, acc[1]);
   }
-  return hsum8(acc);
+  if (c < in) block(c, acc[0]);  // in is a multiple of 32
+  return hsum8(_mm256_add_ps(acc[0], acc[1]));
 }
 
-inline float int4_dot(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in,
-                      int gshift) {
-  const int64_t half = in / 2;
+// NR output rows at once (as in the AVX-512 build): the activations are loaded once for all of them, and the
+// rows' low and high nibbles accumulate in 2 NR independent chains.
+template <int NR>
+inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in, int gshift,
+                      float* out) {
+  const int64_t half = in / 2, n_groups = in >> gshift;
   const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 lo_acc[NR], hi_acc[NR];
+  for (int k = 0; k < NR; ++k) lo_acc[k] = hi_acc[k] = _mm256_setzero_ps();
   for (int64_t c = 0; c < half; c += 32) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
-    const __m256i lo = _mm256_and_si256(bytes, nib);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib);
     const __m256i qlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + c));
     const __m256i qhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + half + c));
-    const __m256i slo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, qlo), ones);
-    const __m256i shi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, qhi), ones);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(slo), _mm256_set1_ps(r.d_lane[c / 4] * ws[c >> gshift]), acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shi),
-                          _mm256_set1_ps(r.d_lane[(half + c) / 4] * ws[(half + c) >> gshift]), acc);
+    const float dlo = r.d_lane[c / 4], dhi = r.d_lane[(half + c) / 4];
+#pragma GCC unroll 8
+    for (int k = 0; k < NR; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_ROWS) * half + c), _MM_HINT_T0);
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * half + c));
+      const __m256i lo = _mm256_and_si256(bytes, nib);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib);
+      const __m256i slo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, qlo), ones);
+      const __m256i shi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, qhi), ones);
+      const float* s = ws + k * n_groups;
+      lo_acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(slo), _mm256_set1_ps(dlo * s[c >> gshift]), lo_acc[k]);
+      hi_acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shi), _mm256_set1_ps(dhi * s[(half + c) >> gshift]), hi_acc[k]);
+    }
   }
-  float o = 0.f;
-  for (int64_t g = 0; g < (in >> gshift); ++g) o += off[g] * r.group_sum[g];
-  return hsum8(acc) + o;
+  for (int k = 0; k < NR; ++k) {  // the offsets times the groups' activation sums, 8 groups a step
+    __m256 o = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= n_groups; g += 8)
+      o = _mm256_fmadd_ps(_mm256_loadu_ps(off + k * n_groups + g), _mm256_loadu_ps(r.group_sum + g), o);
+    float tail = 0.f;
+    for (; g < n_groups; ++g) tail += off[k * n_groups + g] * r.group_sum[g];
+    out[k] = hsum8(_mm256_add_ps(lo_acc[k], hi_acc[k])) + hsum8(o) + tail;
+  }
 }
 
 #else
@@ -227,6 +250,7 @@ inline void int8_dots(const int8_t* w, int64_t in, const QRow& r, float* out) {
   for (int k = 0; k < NR; ++k) out[k] = int8_dot(w + k * in, r, in);
 }
 
+#if !defined(KVFAST_AVX2)
 template <int NR>
 inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in, int gshift,
                       float* out) {
@@ -234,6 +258,7 @@ inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const
   for (int k = 0; k < NR; ++k)
     out[k] = int4_dot(w + k * (in / 2), ws + k * n_groups, off + k * n_groups, r, in, gshift);
 }
+#endif
 #endif
 
 constexpr int64_t GRAIN = 32;  // output rows per task: a call's few microseconds of parallel overhead
