@@ -242,15 +242,7 @@ inline float int4_dot(const uint8_t* w, const float* ws, const float* off, const
   for (int64_t g = 0; g < (in >> gshift); ++g) acc += off[g] * r.group_sum[g];
   return acc;
 }
-#endif
 
-#if !defined(KVFAST_AVX512)
-template <int NR>
-inline void int8_dots(const int8_t* w, int64_t in, const QRow& r, float* out) {
-  for (int k = 0; k < NR; ++k) out[k] = int8_dot(w + k * in, r, in);
-}
-
-#if !defined(KVFAST_AVX2)
 template <int NR>
 inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const QRow& r, int64_t in, int gshift,
                       float* out) {
@@ -259,6 +251,12 @@ inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const
     out[k] = int4_dot(w + k * (in / 2), ws + k * n_groups, off + k * n_groups, r, in, gshift);
 }
 #endif
+
+#if !defined(KVFAST_AVX512)  // AVX2 and plain: int8 rows one after another
+template <int NR>
+inline void int8_dots(const int8_t* w, int64_t in, const QRow& r, float* out) {
+  for (int k = 0; k < NR; ++k) out[k] = int8_dot(w + k * in, r, in);
+}
 #endif
 
 constexpr int64_t GRAIN = 32;  // output rows per task: a call's few microseconds of parallel overhead
