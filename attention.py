@@ -19,12 +19,13 @@ from kernels import cpu, int_ops, native_cpu, realized
 
 @torch._dynamo.assume_constant_result  # run, not traced (it may build the kernels): a constant of the graph
 def attention_path() -> str:
-    """The kernel of a compiled CPU decode step's one-query attention over float K/V: "one-query-avx512"
-    (attention_cpu.cpp, in its AVX-512 build: the g query heads of a KV head share each load of K and V, 2-5x
-    Inductor's reductions from 640 to 16k slots, docs/speed.md) or "reductions" (attend_one_query's, fused by
+    """The kernel of a compiled CPU decode step's one-query attention over float K/V: "one-query-avx512" or
+    "one-query-avx2" (attention_cpu.cpp in that build: the g query heads of a KV head share each load of K and V,
+    2-5x Inductor's reductions from 640 to 16k slots, docs/speed.md) or "reductions" (attend_one_query's, fused by
     Inductor). Derived from kernels.cpu() on each call (a forced CPU kind changes it)."""
-    ops = kernels_cpu.ops("avx512-vnni") if kernels_cpu.isa_of(cpu(), native_cpu()) == "avx512-vnni" else None
-    return "one-query-avx512" if ops is not None and hasattr(ops, "one_query_attention") else "reductions"
+    isa = kernels_cpu.isa_of(cpu(), native_cpu())
+    ops = kernels_cpu.ops(isa) if isa != "scalar" else None
+    return f"one-query-{isa.split('-')[0]}" if hasattr(ops, "one_query_attention") else "reductions"
 
 
 def prompt_attention_path() -> str:
@@ -173,7 +174,7 @@ def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tens
     B, H, _, D = q.shape
     n_kv = mask.shape[1]
     if (isinstance(k, Tensor) and isinstance(v, Tensor) and q.dtype == torch.float32 and k.dtype in ONE_QUERY_DTYPES and v.dtype == k.dtype
-            and D in (64, 128) and H // n_kv <= 8 and attention_path() == "one-query-avx512"):
+            and D in (64, 128) and H // n_kv <= 8 and attention_path() != "reductions"):
         out, probs = int_ops().one_query_attention(q.reshape(B, n_kv, H // n_kv, D), k, v,
                                                    mask.reshape(B, n_kv, k.shape[2]), 1.0 / math.sqrt(D))
         return out.view(B, H, 1, D), probs.unsqueeze(3) if want_probs else None

@@ -1,91 +1,182 @@
-// One-query attention for a compiled decode step on CPU (AVX-512 builds only; built with kernels_cpu.cpp, whose
-// TORCH_LIBRARY this fragment adds its op to).
+// Attention kernels for CPU, built with kernels_cpu.cpp, whose TORCH_LIBRARY this fragment adds its ops to: a
+// compiled decode step's one-query attention (AVX-512 and AVX2 builds) and a prompt's causal attention in bfloat16
+// (AVX-512 builds).
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <ATen/ATen.h>
+#include "kernels_cpu.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-#include <vector>
+#include <bit>
+#include <utility>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define KVFAST_AVX512 1
-#include <immintrin.h>
-#endif
-
-#if defined(KVFAST_AVX512)
+#if defined(KVFAST_AVX2) && defined(__F16C__)
+#define KVFAST_ONE_QUERY 1
 namespace {
 
-// ---- one-query attention (a decode step's attention over the cache, AVX-512) -----------------------------------
-// Inductor's reductions for it read each key once per query head of its group and run at a quarter of the
-// bandwidth; here the g query heads of a KV head share every load of K and V, masked slots are not read at all,
-// and the keys are split in blocks between threads (flash-decoding: each block's max and sum, combined).
+// ---- one vector of fp32 lanes: 16 (AVX-512) or 8 (AVX2) ----------------------------------------------------------
+// What the one-query kernel needs of it, so that one kernel serves both. `heads`: the query heads whose scores of
+// four keys stay in registers at once; `values`: the accumulators the values' product keeps in registers (32 or 16
+// registers in all).
+template <typename T> constexpr bool is_bf16 = std::is_same_v<T, at::BFloat16>;
 
-// e^x for x <= 0 (a softmax's shifted scores): x = n ln2 + r, e^r by Cephes' degree-6 polynomial, 2^n by scalef.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
+struct Avx2 {
+  using reg = __m256;
+  static constexpr int W = 8, heads = 3, values = 12;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }
+  static reg nearest(reg x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static reg times_pow2(reg y, reg n) {  // y 2^n for integral -126 <= n <= 127: the exponent built by a shift
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)));
+  }
+  static reg finite_or_zero(reg x, reg y) {  // y where x > -inf, else 0
+    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), y);
+  }
+  static reg loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void storeu(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  static __m256i first(int64_t n) {  // lanes [0, n) set
+    static const int32_t ones[2 * W] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ones + W - std::min<int64_t>(n, W)));
+  }
+  static reg load_first(const float* p, int64_t n, float fill) {  // lanes [0, n) of p, the rest `fill`
+    if (n >= W) return loadu(p);
+    const __m256i live = first(n);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, live), _mm256_castsi256_ps(live));
+  }
+  static void store_first(float* p, reg x, int64_t n) {
+    if (n >= W) storeu(p, x);
+    else _mm256_maskstore_ps(p, first(n), x);
+  }
+  static float reduce_add(reg x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float reduce_max(reg x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static __m128 sum4(reg a, reg b, reg c, reg d) {  // the sums of the lanes of a, b, c and d, in that order
+    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  }
+  // W channels of a K or V row as fp32; and, for bfloat16 K/V, fp32 rounded to bfloat16 and back at the points
+  // where attend's bfloat16 matmuls round (kernels.attend_one_query rounds alike; fp16 K/V are read exactly)
+  template <typename T> static reg load(const T* p) {
+    if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+    else if constexpr (std::is_same_v<T, at::Half>) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  template <typename T> static reg round(reg x) {
+    if constexpr (!is_bf16<T>) return x;
+    const __m256i b = _mm256_castps_si256(x);  // to nearest even (finite x; -inf stays -inf)
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
 
-// 16 channels of a K or V row as fp32; and, for bfloat16 K/V, fp32 rounded to bfloat16 and back at the points where
-// attend's bfloat16 matmuls round (kernels.attend_one_query rounds alike; float16 K/V are read exactly, in fp32).
-template <typename T> inline __m512 load16(const T* p);
-template <> inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-template <> inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-template <typename T> inline __m512 round16(__m512 x) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {  // to nearest even (finite x)
+#if defined(KVFAST_AVX512)
+struct Avx512 {
+  using reg = __m512;
+  static constexpr int W = 16, heads = 4, values = 28;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }
+  static reg nearest(reg x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+  static reg times_pow2(reg y, reg n) { return _mm512_scalef_ps(y, n); }
+  static reg finite_or_zero(reg x, reg y) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), y);
+  }
+  static reg loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void storeu(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static __mmask16 first(int64_t n) { return n >= W ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+  static reg load_first(const float* p, int64_t n, float fill) { return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), first(n), p); }
+  static void store_first(float* p, reg x, int64_t n) { _mm512_mask_storeu_ps(p, first(n), x); }
+  static float reduce_add(reg x) { return _mm512_reduce_add_ps(x); }
+  static float reduce_max(reg x) { return _mm512_reduce_max_ps(x); }
+  static __m128 sum4(reg a, reg b, reg c, reg d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d per 128
+    const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+  }
+  template <typename T> static reg load(const T* p) {
+    if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+    else if constexpr (std::is_same_v<T, at::Half>) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  template <typename T> static reg round(reg x) {
+    if constexpr (!is_bf16<T>) return x;
     const __m512i b = _mm512_castps_si512(x);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     const __m512i up = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
     return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-  return x;
+};
+using Vec = Avx512;
+#else
+using Vec = Avx2;
+#endif
+
+// e^x for x <= 0 (a softmax's shifted scores): x = n ln2 + r, e^r by Cephes' degree-6 polynomial, times 2^n.
+template <class V> inline typename V::reg exp_of(typename V::reg x) {
+  x = V::max(x, V::set1(-87.f));
+  const typename V::reg n = V::nearest(V::mul(x, V::set1(1.44269504088896341f)));
+  typename V::reg r = V::fnmadd(n, V::set1(0.693359375f), x);
+  r = V::fnmadd(n, V::set1(-2.12194440e-4f), r);
+  typename V::reg y = V::set1(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = V::fmadd(y, r, V::set1(c));
+  y = V::fmadd(y, V::mul(r, r), V::add(r, V::set1(1.f)));
+  return V::times_pow2(y, n);
 }
 
-// The sums of the 16 lanes of a, b, c and d, in that order.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d per 128
-  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+// f(integral_constant<int, 0>), f(integral_constant<int, step>), ... below `end`
+template <int end, int step, typename F> inline void for_steps(F&& f) {
+  [&]<int... i>(std::integer_sequence<int, i...>) {
+    (f(std::integral_constant<int, i * step>{}), ...);
+  }(std::make_integer_sequence<int, (end + step - 1) / step>{});
 }
 
+// ---- one-query attention (a decode step's attention over the cache) -------------------------------------------
+// Inductor's reductions for it read each key once per query head of its group and run at a quarter of the
+// bandwidth; here the g query heads of a KV head share every load of K and V, masked slots are not read at all,
+// and the keys are split in blocks between threads (flash-decoding: each block's max and sum, combined).
 constexpr int64_t KEY_BLOCK = 128;  // keys per task: a 512-slot cache of 3 KV heads is 12 tasks for 2 threads
 
+#if defined(KVFAST_AVX512)
 // The one-query and the prompt kernels below are compiled for AVX512-BF16; the one-query kernel runs its bfloat16
 // instructions only where dot is set (bfloat16 K/V on a CPU that has them), and GCC emits them for nothing but
 // their intrinsics, so its other instantiations run on any AVX-512 CPU.
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
+#endif
 
-// q [B, n_kv, g, D] fp32; k, v [B, n_kv, T, D] (fp32 / fp16 / bf16); mask [B, n_kv, T] bool (True: attend).
-// Returns out [B, n_kv, g, D] fp32 and the probabilities [B, n_kv, g, T] fp32 (0 at masked slots). g and
-// D / 16 are template parameters, so the scores' accumulators (four keys of up to four heads) are registers, and
-// one exp a key and head serves both the block's sum and the probability. dot (bfloat16 K/V): both products on
-// vdpbf16ps, two channels (q . k) or two keys (p v) a lane, with the same roundings: half the multiply-adds, but
-// about 1.1x, not 2x, since the sums' reductions and the softmax weigh as much (docs/speed.md).
-template <typename T, int g, int nd, bool dot = false>
+// q [B, n_kv, g, D] fp32; k, v [B, n_kv, T, D] (fp32 / fp16 / bf16); mask [B, n_kv, T] bool (True: attend); scale
+// > 0. Returns out [B, n_kv, g, D] fp32 and the probabilities [B, n_kv, g, T] fp32 (0 at masked slots). g and nd
+// (D / V::W) are template parameters, so the scores' accumulators (four keys of up to V::heads heads) are
+// registers, and one exp a key and head serves both the block's sum and the probability. dot (bfloat16 K/V on
+// AVX512-BF16): both products on vdpbf16ps, two channels (q . k) or two keys (p v) a lane, with the same
+// roundings: half the multiply-adds, but about 1.1x, not 2x, since the sums' reductions and the softmax weigh as
+// much (docs/speed.md).
+template <class V, typename T, int g, int nd, bool dot = false>
 void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                              double scale, at::Tensor& out, at::Tensor& probs) {
-  const int64_t BH = q.size(0) * q.size(1), D = 16 * nd, Tn = k.size(2);
+                              float scale, at::Tensor& out, at::Tensor& probs) {
+  using reg = typename V::reg;
+  constexpr int W = V::W;
+  const int64_t BH = q.size(0) * q.size(1), D = W * nd, Tn = k.size(2);
   const int64_t blocks = (Tn + KEY_BLOCK - 1) / KEY_BLOCK;
   const float* qp = q.data_ptr<float>();
   const T* kp = k.data_ptr<T>();
@@ -98,13 +189,15 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
   at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, t0 = (task % blocks) * KEY_BLOCK, t1 = std::min(Tn, t0 + KEY_BLOCK);
-      __m512 qv[g][nd];
+      reg qv[g][nd];
+      for (int j = 0; j < g; ++j)
+        for (int c = 0; c < nd; ++c) qv[j][c] = V::template round<T>(V::loadu(qp + (bh * g + j) * D + W * c));
+#if defined(KVFAST_AVX512)
       __m512bh qb[g][nd / 2];  // dot: the rounded query, 32 channels a register
-      for (int j = 0; j < g; ++j) {
-        for (int c = 0; c < nd; ++c) qv[j][c] = round16<T>(_mm512_loadu_ps(qp + (bh * g + j) * D + 16 * c));
-        if constexpr (dot)
+      if constexpr (dot)
+        for (int j = 0; j < g; ++j)
           for (int c = 0; c < nd / 2; ++c) qb[j][c] = _mm512_cvtne2ps_pbh(qv[j][2 * c + 1], qv[j][2 * c]);
-      }
+#endif
       // four keys at a time: their four sums per head come out of one transposing reduction
       for (int64_t t = t0; t < t1; t += 4) {
         const int n = static_cast<int>(std::min<int64_t>(4, t1 - t));
@@ -114,29 +207,31 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
             for (int i = 0; i < n; ++i) pp[(bh * g + j) * Tn + t + i] = minus_inf;
           continue;
         }
-        // up to four heads at a time, so that their 16 accumulators stay registers (Qwen2.5-0.5B's 7 heads at
-        // once spill); always four keys (past t1 the last key again, its sum dropped), for the same reason
-        const auto heads = [&](auto first) {
-          constexpr int j0 = decltype(first)::value, jn = std::min(4, g - j0);
-          __m512 acc[jn][4];
+        // V::heads heads at a time, so that their accumulators stay registers (Qwen2.5-0.5B's 7 heads at once
+        // spill); always four keys (past t1 the last key again, its sum dropped), for the same reason
+        for_steps<g, V::heads>([&](auto first) {
+          constexpr int j0 = decltype(first)::value, jn = std::min(V::heads, g - j0);
+          reg acc[jn][4];
           for (int j = 0; j < jn; ++j)
-            for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
+            for (int i = 0; i < 4; ++i) acc[j][i] = V::zero();
           for (int i = 0; i < 4; ++i) {
             const T* kt = kp + (bh * Tn + std::min<int64_t>(t + i, t1 - 1)) * D;
+#if defined(KVFAST_AVX512)
             if constexpr (dot) {
               for (int c = 0; c < nd / 2; ++c) {
                 const __m512bh kc = (__m512bh)_mm512_loadu_si512(kt + 32 * c);
                 for (int j = 0; j < jn; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], qb[j0 + j][c], kc);
               }
-            } else {
-              for (int c = 0; c < nd; ++c) {
-                const __m512 kc = load16(kt + 16 * c);
-                for (int j = 0; j < jn; ++j) acc[j][i] = _mm512_fmadd_ps(qv[j0 + j][c], kc, acc[j][i]);
-              }
+              continue;
+            }
+#endif
+            for (int c = 0; c < nd; ++c) {
+              const reg kc = V::load(kt + W * c);
+              for (int j = 0; j < jn; ++j) acc[j][i] = V::fmadd(qv[j0 + j][c], kc, acc[j][i]);
             }
           }
           for (int j = 0; j < jn; ++j) {
-            const __m128 sums = sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+            const __m128 sums = V::sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
             float* dst = pp + (bh * g + j0 + j) * Tn + t;
             if (n == 4) {
               _mm_storeu_ps(dst, sums);
@@ -148,34 +243,26 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
             for (int i = 0; i < n; ++i)
               if (!mt[i]) dst[i] = minus_inf;
           }
-        };
-        heads(std::integral_constant<int, 0>{});
-        if constexpr (g > 4) heads(std::integral_constant<int, 4>{});
+        });
       }
       for (int j = 0; j < g; ++j) {
         float* s = pp + (bh * g + j) * Tn;
-        __m512 m = _mm512_set1_ps(minus_inf);
-        for (int64_t t = t0; t < t1; t += 16) {
-          const __mmask16 live = t1 - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t1 - t)) - 1);
-          const __m512 raw = _mm512_maskz_loadu_ps(live, s + t);
-          const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, raw, _mm512_set1_ps(minus_inf), _CMP_NEQ_OQ);
-          const __m512 x = _mm512_mask_blend_ps(keep, _mm512_set1_ps(minus_inf),
-                                                _mm512_mul_ps(round16<T>(raw), _mm512_set1_ps(static_cast<float>(scale))));
-          _mm512_mask_storeu_ps(s + t, live, x);
-          m = _mm512_mask_max_ps(m, live, m, x);
+        reg m = V::set1(minus_inf);
+        for (int64_t t = t0; t < t1; t += W) {  // a masked score stays -inf (scale > 0)
+          const reg x = V::mul(V::template round<T>(V::load_first(s + t, t1 - t, minus_inf)), V::set1(scale));
+          V::store_first(s + t, x, t1 - t);
+          m = V::max(m, x);
         }
-        const float mx = _mm512_reduce_max_ps(m);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = t0; t < t1; t += 16) {  // e^(score - block max) in place (0 where masked), and their sum
-          const __mmask16 live = t1 - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t1 - t)) - 1);
-          const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
-          const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(minus_inf), _CMP_NEQ_OQ);
-          const __m512 e = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
-          _mm512_mask_storeu_ps(s + t, live, e);
-          sum = _mm512_add_ps(sum, e);
+        const float mx = V::reduce_max(m);
+        reg sum = V::zero();
+        for (int64_t t = t0; t < t1; t += W) {  // e^(score - block max) in place (0 where masked), and their sum
+          const reg x = V::load_first(s + t, t1 - t, minus_inf);
+          const reg e = V::finite_or_zero(x, exp_of<V>(V::sub(x, V::set1(mx))));
+          V::store_first(s + t, e, t1 - t);
+          sum = V::add(sum, e);
         }
         bmax[(bh * blocks + task % blocks) * g + j] = mx;
-        bsum[(bh * blocks + task % blocks) * g + j] = _mm512_reduce_add_ps(sum);
+        bsum[(bh * blocks + task % blocks) * g + j] = V::reduce_add(sum);
       }
     }
   });
@@ -198,21 +285,22 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
       for (int j = 0; j < g; ++j) {
         float* s = pp + (bh * g + j) * Tn;
         const float m = bmax[task * g + j];  // the block's e^(score - m) become e^(score - M) / L by one product
-        const __m512 factor = _mm512_set1_ps(m == minus_inf ? 0.f : std::exp(m - M[bh * g + j]) / L[bh * g + j]);
-        for (int64_t t = t0; t < t1; t += 16) {
-          const __mmask16 live = t1 - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t1 - t)) - 1);
-          const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + t), factor);
-          _mm512_mask_storeu_ps(s + t, live, p);
-          _mm512_mask_storeu_ps(rounded[j] + (t - t0), live, round16<T>(p));
+        const reg factor = V::set1(m == minus_inf ? 0.f : std::exp(m - M[bh * g + j]) / L[bh * g + j]);
+        for (int64_t t = t0; t < t1; t += W) {
+          const reg p = V::mul(V::load_first(s + t, t1 - t, 0.f), factor);
+          V::store_first(s + t, p, t1 - t);
+          V::store_first(rounded[j] + (t - t0), V::template round<T>(p), t1 - t);
         }
       }
-      __m512 acc[g][nd];
-      for (int j = 0; j < g; ++j)
-        for (int c = 0; c < nd; ++c) acc[j][c] = _mm512_setzero_ps();
+      float* dst = part.data() + task * g * D;
+#if defined(KVFAST_AVX512)
       if constexpr (dot) {
         // keys t and t + 1 a step: their values interleaved channel by channel (per 128-bit lane: acc[j][2c] gets
         // channels 8L..8L+3 of the 32 at 32c, acc[j][2c + 1] 8L+4..8L+7), their probabilities a pair per lane.
         // A masked key's value is not read (zeros instead), as below
+        __m512 acc[g][nd];
+        for (int j = 0; j < g; ++j)
+          for (int c = 0; c < nd; ++c) acc[j][c] = _mm512_setzero_ps();
         for (int64_t t = t0; t < t1; t += 2) {
           const bool a = mp[bh * Tn + t], b = t + 1 < t1 && mp[bh * Tn + t + 1];
           if (!(a || b)) continue;
@@ -238,34 +326,41 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
         const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
         for (int j = 0; j < g; ++j)
           for (int c = 0; c < nd / 2; ++c) {
-            const __m512 lo = acc[j][2 * c], hi = acc[j][2 * c + 1];
-            acc[j][2 * c] = _mm512_permutex2var_ps(lo, first, hi);
-            acc[j][2 * c + 1] = _mm512_permutex2var_ps(lo, second, hi);
+            _mm512_storeu_ps(dst + j * D + 32 * c, _mm512_permutex2var_ps(acc[j][2 * c], first, acc[j][2 * c + 1]));
+            _mm512_storeu_ps(dst + j * D + 32 * c + 16, _mm512_permutex2var_ps(acc[j][2 * c], second, acc[j][2 * c + 1]));
           }
-      } else {
+        continue;
+      }
+#endif
+      // cb channel vectors of every head at a time: as many accumulators as stay registers (a pass over the
+      // block's values for each cb; they are in L1 after the first)
+      constexpr int cb = std::min(nd, static_cast<int>(std::bit_floor(static_cast<unsigned>(std::max(1, V::values / g)))));
+      for (int c0 = 0; c0 < nd; c0 += cb) {
+        reg acc[g][cb];
+        for (int j = 0; j < g; ++j)
+          for (int c = 0; c < cb; ++c) acc[j][c] = V::zero();
         for (int64_t t = t0; t < t1; ++t) {
           if (!mp[bh * Tn + t]) continue;
-          const T* vt = vp + (bh * Tn + t) * D;
-          __m512 p[g];
-          for (int j = 0; j < g; ++j) p[j] = _mm512_set1_ps(rounded[j][t - t0]);
-          for (int c = 0; c < nd; ++c) {
-            const __m512 vc = load16(vt + 16 * c);
-            for (int j = 0; j < g; ++j) acc[j][c] = _mm512_fmadd_ps(p[j], vc, acc[j][c]);
+          const T* vt = vp + (bh * Tn + t) * D + W * c0;
+          reg p[g];
+          for (int j = 0; j < g; ++j) p[j] = V::set1(rounded[j][t - t0]);
+          for (int c = 0; c < cb; ++c) {
+            const reg vc = V::load(vt + W * c);
+            for (int j = 0; j < g; ++j) acc[j][c] = V::fmadd(p[j], vc, acc[j][c]);
           }
         }
+        for (int j = 0; j < g; ++j)
+          for (int c = 0; c < cb; ++c) V::storeu(dst + j * D + W * (c0 + c), acc[j][c]);
       }
-      float* dst = part.data() + task * g * D;
-      for (int j = 0; j < g; ++j)
-        for (int c = 0; c < nd; ++c) _mm512_storeu_ps(dst + j * D + 16 * c, acc[j][c]);
     }
   });
   float* op = out.data_ptr<float>();
   for (int64_t bh = 0; bh < BH; ++bh)
     for (int j = 0; j < g; ++j)
       for (int c = 0; c < nd; ++c) {
-        __m512 o = _mm512_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) o = _mm512_add_ps(o, _mm512_loadu_ps(part.data() + ((bh * blocks + b) * g + j) * D + 16 * c));
-        _mm512_storeu_ps(op + (bh * g + j) * D + 16 * c, round16<T>(o));
+        reg o = V::zero();
+        for (int64_t b = 0; b < blocks; ++b) o = V::add(o, V::loadu(part.data() + ((bh * blocks + b) * g + j) * D + W * c));
+        V::storeu(op + (bh * g + j) * D + W * c, V::template round<T>(o));
       }
 }
 
@@ -278,18 +373,26 @@ std::tuple<at::Tensor, at::Tensor> one_query_attention(const at::Tensor& q_, con
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) && q.size(2) >= 1 &&
                   q.size(2) <= 8 && (q.size(3) == 64 || q.size(3) == 128) && mask.numel() == k.size(0) * k.size(1) * k.size(2),
               "one_query_attention: shapes must agree, 1 <= g <= 8, D 64 or 128");
+  TORCH_CHECK(scale > 0, "one_query_attention: scale must be positive");
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor probs = at::empty({q.size(0), q.size(1), q.size(2), k.size(2)}, q.options());
-  const int64_t g = q.size(2), nd = q.size(3) / 16;
+  const int64_t g = q.size(2);
+#if defined(KVFAST_AVX512)
   static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
+#else
+  constexpr bool bf16_dot = false;
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "one_query_attention", [&] {
     using T = std::conditional_t<std::is_same_v<scalar_t, double>, float, scalar_t>;
     TORCH_CHECK((!std::is_same_v<scalar_t, double>), "one_query_attention: K/V in float32, float16 or bfloat16");
     const auto run = [&](auto G, auto ND) {
       constexpr int gv = decltype(G)::value, ndv = decltype(ND)::value;
-      if constexpr (std::is_same_v<T, at::BFloat16>)
-        if (bf16_dot) return one_query_attention_impl<T, gv, ndv, true>(q, k, v, mask, scale, out, probs);
-      one_query_attention_impl<T, gv, ndv>(q, k, v, mask, scale, out, probs);
+#if defined(KVFAST_AVX512)
+      if constexpr (is_bf16<T>)
+        if (bf16_dot) return one_query_attention_impl<Vec, T, gv, ndv, true>(q, k, v, mask, static_cast<float>(scale), out, probs);
+#endif
+      (void)bf16_dot;
+      one_query_attention_impl<Vec, T, gv, ndv>(q, k, v, mask, static_cast<float>(scale), out, probs);
     };
     const auto with_g = [&](auto ND) {
       switch (g) {
@@ -303,12 +406,13 @@ std::tuple<at::Tensor, at::Tensor> one_query_attention(const at::Tensor& q_, con
         default: run(std::integral_constant<int, 8>{}, ND); break;
       }
     };
-    if (nd == 4) with_g(std::integral_constant<int, 4>{});
-    else with_g(std::integral_constant<int, 8>{});
+    if (q.size(3) == 64) with_g(std::integral_constant<int, 64 / Vec::W>{});
+    else with_g(std::integral_constant<int, 128 / Vec::W>{});
   });
   return {out, probs};
 }
 
+#if defined(KVFAST_AVX512)
 // ---- causal attention over a whole prompt in bfloat16 (AVX512-BF16) -------------------------------------------
 // Without AMX, ATen's CPU flash attention multiplies bfloat16 at fp32's speed (42 ms per SmolLM2 layer at 2048
 // tokens on an AMD EPYC, half of the prefill). Here both products run on vdpbf16ps: K is packed with 16 keys side
@@ -391,8 +495,8 @@ void prompt_attention_impl(const uint16_t* q, const uint16_t* k, const uint16_t*
               const __m512 x1 = _mm512_mask_blend_ps(live1, _mm512_set1_ps(minus_inf), _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale)));
               const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
               const float alpha = n0 == 0 ? 1.f : std::exp(m[r] - mx);
-              const __m512 p0 = _mm512_maskz_mov_ps(live0, exp_ps(_mm512_sub_ps(x0, _mm512_set1_ps(mx))));
-              const __m512 p1 = _mm512_maskz_mov_ps(live1, exp_ps(_mm512_sub_ps(x1, _mm512_set1_ps(mx))));
+              const __m512 p0 = _mm512_maskz_mov_ps(live0, exp_of<Avx512>(_mm512_sub_ps(x0, _mm512_set1_ps(mx))));
+              const __m512 p1 = _mm512_maskz_mov_ps(live1, exp_of<Avx512>(_mm512_sub_ps(x1, _mm512_set1_ps(mx))));
               if (n0 > 0) {
                 m[r] = mx;
                 l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
@@ -443,15 +547,21 @@ at::Tensor prompt_attention(const at::Tensor& q_, const at::Tensor& k_, const at
   return out;
 }
 
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(KVFAST_NS, m) {
   m.def("one_query_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> (Tensor, Tensor)");
+#if defined(KVFAST_AVX512)
   m.def("prompt_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(KVFAST_NS, CPU, m) {
   m.impl("one_query_attention", &one_query_attention);
+#if defined(KVFAST_AVX512)
   m.impl("prompt_attention", &prompt_attention);
+#endif
 }
 #endif

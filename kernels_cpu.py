@@ -62,8 +62,8 @@ _meta: list[torch.library.Library] = []
 
 def ops(isa: str) -> Any:
     """torch.ops.kvfast_<isa> with int8_linear, int4_linear, int4_dequantize and quantize_activations (and, in the
-    AVX-512 build, int8_linear_tiled, int4_linear_tiled, the prompt's int8_gemm / int4_gemm and the attention
-    kernels), built on first use; None (after one warning) where it cannot be built."""
+    AVX-512 build, int8_linear_tiled, int4_linear_tiled, the prompt's int8_gemm / int4_gemm and prompt_attention;
+    in the AVX-512 and AVX2 builds, one_query_attention), built on first use; None (after one warning) where it cannot be built."""
     if isa not in _loaded:
         _loaded[isa] = _build(isa)
     return _loaded[isa]
@@ -92,15 +92,16 @@ def _build(isa: str) -> Any:
                                                  x.new_empty(*x.shape[:-1], x.shape[-1] // 32)), "Meta")
     meta.impl("int4_dequantize", lambda packed, scales, offsets, dtype, tiled=False: packed.new_empty(
         packed.shape[0], 2 * packed.shape[1], dtype=dtype), "Meta")
-    if hasattr(getattr(torch.ops, ns), "one_query_attention"):  # AVX-512 builds only
+    if hasattr(getattr(torch.ops, ns), "one_query_attention"):  # AVX-512 and AVX2 builds
+        meta.impl("one_query_attention", lambda q, k, v, mask, scale: (
+            q.new_empty(q.shape), q.new_empty(*q.shape[:3], k.shape[2])), "Meta")
+    if hasattr(getattr(torch.ops, ns), "int8_linear_tiled"):  # AVX-512 builds only
         meta.impl("int8_linear_tiled", lambda x, codes, scales: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
         meta.impl("int4_linear_tiled", lambda x, packed, scales, offsets: x.new_empty(*x.shape[:-1], packed.shape[0]),
                   "Meta")
         meta.impl("int8_gemm", lambda x, codes, scales, tiled: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
         meta.impl("int4_gemm", lambda x, packed, scales, offsets, tiled: x.new_empty(*x.shape[:-1], packed.shape[0]),
                   "Meta")
-        meta.impl("one_query_attention", lambda q, k, v, mask, scale: (
-            q.new_empty(q.shape), q.new_empty(*q.shape[:3], k.shape[2])), "Meta")
     _meta.append(meta)
     return getattr(torch.ops, ns)
 

@@ -232,23 +232,28 @@ def test_integer_products_everywhere_and_nowhere():
         kernels.integer_products("sometimes")
 
 
-# ---- one-query attention (attention_cpu.cpp, AVX-512) -----------------------------------------------------------
-def one_query_kernel():
-    ops = built("avx512-vnni")
+# ---- one-query attention (attention_cpu.cpp, AVX-512 and AVX2) --------------------------------------------------
+ONE_QUERY_ISAS = ("avx512-vnni", "avx2")
+
+
+def one_query_kernel(isa: str = "avx512-vnni"):
+    ops = built(isa)
     if not hasattr(ops, "one_query_attention"):
         pytest.skip("no one-query attention kernel in this build")
     return ops
 
 
+@pytest.mark.parametrize("isa", ONE_QUERY_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B, n_kv, g, D, T", [(1, 3, 3, 64, 1030), (2, 2, 7, 64, 37), (1, 1, 1, 128, 130),
                                               (1, 2, 8, 128, 5)])
-def test_one_query_attention_equals_the_reductions(dtype, B, n_kv, g, D, T, monkeypatch):
+def test_one_query_attention_equals_the_reductions(isa, dtype, B, n_kv, g, D, T, monkeypatch):
     """The kernel against attend_one_query's reductions on the same K/V: the output and the probabilities up to
     the order of the fp32 sums over the keys and channels; bfloat16 K/V round the query, the scores, the
     probabilities and the output to bfloat16 at the same points (each may pick the adjacent bfloat16 where the
-    sums differ in order). Several key blocks of 128, partly masked, and blocks whose every slot is masked."""
-    ops = one_query_kernel()
+    sums differ in order). Several key blocks of 128, partly masked, and blocks whose every slot is masked; tails
+    of the key blocks shorter than either build's vector."""
+    ops = one_query_kernel(isa)
     gen = torch.Generator().manual_seed(T)
     q = torch.randn(B, n_kv * g, 1, D, generator=gen)
     k, v = (torch.randn(B, n_kv, T, D, generator=gen).to(dtype) for _ in "kv")
@@ -264,12 +269,13 @@ def test_one_query_attention_equals_the_reductions(dtype, B, n_kv, g, D, T, monk
     assert torch.all(probs[~mask.view(B, n_kv, 1, T).expand_as(probs)] == 0)
 
 
+@pytest.mark.parametrize("isa", ONE_QUERY_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_one_query_attention_never_reads_a_masked_slot(dtype):
+def test_one_query_attention_never_reads_a_masked_slot(isa, dtype):
     """NaN in every masked slot's K and V (a static buffer past its fill, an evicted slot) leaves the output
     equal to the output with zeros there: those slots are skipped, not multiplied by a zero probability (bfloat16
     K/V on AVX512-BF16 read two keys' values at once: a masked one next to a live one is read as zeros)."""
-    ops = one_query_kernel()
+    ops = one_query_kernel(isa)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 3, 64, generator=gen)
     k, v = (torch.randn(1, 2, 301, 64, generator=gen).to(dtype) for _ in "kv")
@@ -282,35 +288,35 @@ def test_one_query_attention_never_reads_a_masked_slot(dtype):
     assert torch.equal(poisoned[0], clean[0]) and torch.equal(poisoned[1], clean[1])
 
 
-def test_one_query_attention_is_chosen_where_the_avx512_build_has_it(cpu_kind):
-    path = attention.attention_path()
-    if cpu_kind == "avx2" or not kernels.native_cpu().avx512_vnni:
-        assert path == "reductions"
-    elif kernels_cpu.ops("avx512-vnni") is not None:
-        assert path == "one-query-avx512"
+def test_one_query_attention_is_chosen_where_a_build_has_it(cpu_kind):
+    isa = kernels_cpu.isa_of(kernels.cpu(), kernels.native_cpu())
+    expected = {"avx512-vnni": "one-query-avx512", "avx2": "one-query-avx2"}.get(isa, "reductions")
+    assert attention.attention_path() == (expected if kernels_cpu.ops(isa) is not None else "reductions")
 
 
+@pytest.mark.parametrize("kind", ["native", "avx2"])
 @pytest.mark.parametrize("kv_bits", [None, 16])
-def test_compiled_decode_attends_through_the_kernel(kv_bits):
+def test_compiled_decode_attends_through_the_kernel(kv_bits, kind):
     """A model whose heads are 64 wide: the compiled step calls the kernel (seen by the profiler), never
-    recompiles, and gives eager's tokens and logits (eager attends through SDPA over the same K/V)."""
-    one_query_kernel()
-    if attention.attention_path() != "one-query-avx512":
-        pytest.skip("the one-query kernel is not chosen on this CPU kind")
-    model = tiny_model_wide(head_dim=64, n_heads=6, n_kv_heads=2)
-    S, N = 20, 12
-    prompt = torch.randint(0, model.args.vocab_size, (1, S), generator=torch.Generator().manual_seed(3))
-    model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, S, N, **kv_format(kv_bits, "auto")[0]))
-    eager_tokens, eager_logits = greedy_with_logits(model, decode.Decoder(model), prompt, N)
-    decoder = decode.Decoder(model, compile=True)
-    decoder.warm_up(prompt)
-    recompiles = sum(counters["recompiles"].values())
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        tokens, logits = greedy_with_logits(model, decoder, prompt, N)
-    assert sum(counters["recompiles"].values()) == recompiles
-    assert any(e.key.endswith("::one_query_attention") for e in prof.key_averages())
-    assert_numerically_close(logits, eager_logits, depth=model_depth(model.args, S + N))
-    assert torch.equal(tokens, eager_tokens)
+    recompiles, and gives eager's tokens and logits (eager attends through SDPA over the same K/V); natively and
+    as an AVX2 CPU would (the AVX2 build of the kernel)."""
+    with kernels.force_cpu(kind):
+        if attention.attention_path() == "reductions":
+            pytest.skip("no one-query kernel is chosen on this CPU kind")
+        model = tiny_model_wide(head_dim=64, n_heads=6, n_kv_heads=2)
+        S, N = 20, 12
+        prompt = torch.randint(0, model.args.vocab_size, (1, S), generator=torch.Generator().manual_seed(3))
+        model.setup_caches(kvcache.make_cache_factory("full", 1, model.args, S, N, **kv_format(kv_bits, "auto")[0]))
+        eager_tokens, eager_logits = greedy_with_logits(model, decode.Decoder(model), prompt, N)
+        decoder = decode.Decoder(model, compile=True)
+        decoder.warm_up(prompt)
+        recompiles = sum(counters["recompiles"].values())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            tokens, logits = greedy_with_logits(model, decoder, prompt, N)
+        assert sum(counters["recompiles"].values()) == recompiles
+        assert any(e.key.endswith("::one_query_attention") for e in prof.key_averages())
+        assert_numerically_close(logits, eager_logits, depth=model_depth(model.args, S + N))
+        assert torch.equal(tokens, eager_tokens)
 
 
 # ---- the choice by timing -------------------------------------------------------------------------------------
