@@ -411,17 +411,18 @@ def _path(x: Tensor, dtype: torch.dtype, tiled: bool = False, tileable: bool = F
     if _dynamic_rows and not one_token:  # a prompt's rows; its last row's logits keep the one-token kernels
         return "f-linear"
     path = linear_path(dtype, x.shape[:-1].numel(), one_token, compiled)
-    if compiled and tileable and path == TILED_PATH and not tiled:
+    if compiled and tileable and path in TILED_PATHS and not tiled:
         return "reductions"
-    if compiled and tiled and path == "reductions" and not _integer_nowhere and tiled_kernels():
-        return TILED_PATH
+    if compiled and tiled and path == "reductions" and not _integer_nowhere and tiled_path():
+        return tiled_path()
     return path
 
 
 @torch._dynamo.assume_constant_result
-def tiled_kernels() -> bool:
-    """Does the chosen CPU kind's build multiply tiles (TILED_PATH)?"""
-    return int_paths(timed=False).get(torch.int8) == TILED_PATH
+def tiled_path() -> str:
+    """The chosen CPU kind's path that multiplies tiles (one of TILED_PATHS), "" where it has none."""
+    path = int_paths(timed=False).get(torch.int8, "")
+    return path if path in TILED_PATHS else ""
 
 
 def realized(x: Tensor) -> Tensor:
@@ -483,9 +484,9 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool 
     if gemm is not None:
         return gemm.int8_gemm(x if x.dtype == torch.bfloat16 else x.float(), weight, scales, tiled).to(x.dtype)
     if tiled:
-        if path == TILED_PATH:
+        if path in TILED_PATHS:
             return int_ops().int8_linear_tiled(x.float(), weight, scales).to(x.dtype)
-        eager = tiled_eager_ops(x)
+        eager = None if torch.compiler.is_compiling() or x.device.type != "cpu" else int_ops()
         if path == "f-linear" and eager is not None and x.dtype in (torch.float32, torch.bfloat16):
             y = F.linear(x, eager.int8_dequantize(weight, x.dtype, True))  # one pass: the codes, exact
             return y if scales is None else (y * scales).to(x.dtype)
@@ -506,7 +507,8 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool 
 
 
 def tiled_eager_ops(x: Tensor) -> object | None:
-    """The AVX-512 build, which reads tiles, for an eager CPU product of x with tiled codes (None: untile in torch)."""
+    """The AVX-512 build, whose integer GEMM reads tiles and rows, for an eager CPU product of x (None: another
+    kernel)."""
     if x.device.type != "cpu" or torch.compiler.is_compiling() or not native_cpu().avx512_vnni:
         return None
     return kernels_cpu.ops("avx512-vnni")
@@ -545,7 +547,7 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tile
     if gemm is not None:  # a short prompt through tiles: 5 tokens of SmolLM2 took 66 ms on a dense copy, now 20
         rows = x if x.dtype == torch.bfloat16 else x.float()
         return gemm.int4_gemm(rows, packed, scales, offsets, tiled).to(x.dtype)
-    if tiled and path == TILED_PATH:
+    if tiled and path in TILED_PATHS:
         return int_ops().int4_linear_tiled(x.float(), packed, scales, offsets).to(x.dtype)
     if path == "f-linear":
         return F.linear(x, dequantize_int4(packed, scales, offsets, x.dtype, tiled))
@@ -571,14 +573,14 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, tile
     return per_row(x, row_product)
 
 
-# ---- tiled weights: the AVX-512 integer products' layout (kernels_cpu.tile_int8 / tile_int4) ----------------------
-TILED_PATH = "int-dot-avx512-vnni"  # the path whose build reads tiles (int8_linear_tiled, int4_linear_tiled)
+# ---- tiled weights: the integer products' layout (kernels_cpu.tile_int8 / tile_int4) -----------------------------
+TILED_PATHS = ("int-dot-avx512-vnni", "int-dot-avx2")  # the paths whose builds read tiles (int8_linear_tiled, ...)
 
 
 def tile_weights(layers: list[torch.nn.Module], rows: int = 1) -> int:
     """Rearrange in place, into kernels_cpu's tiles of 16 output rows, the int8 / int4 weights of `layers`
-    (model.Int8Linear / Int4Linear / Int8Embedding) whose products over a step's `rows` (its batch) take
-    TILED_PATH on this machine (linear_path, after time_int_paths): the row-major kernel reduces each row across
+    (model.Int8Linear / Int4Linear / Int8Embedding) whose products over a step's `rows` (its batch) take one of
+    TILED_PATHS on this machine (linear_path, after time_int_paths): the row-major kernel reduces each row across
     its vector lanes, and for a 135M model's rows that costs more than the loads (its int8 projections: 5.8 ms a
     token in rows, 3.7-4.0 ms in tiles, an AMD EPYC). Same bytes and shapes; the layers read their weight through
     their `tiled` flag (another kernel untiles them on the fly: a batch that reaches a GEMM later pays for it).
@@ -586,7 +588,7 @@ def tile_weights(layers: list[torch.nn.Module], rows: int = 1) -> int:
     n = 0
     for layer in layers:
         groups = layer.offsets.shape[1] if layer.weight.dtype == torch.uint8 else 1
-        if (layer.tiled or linear_path(layer.weight.dtype, rows) != TILED_PATH or layer.weight.device.type != "cpu"
+        if (layer.tiled or linear_path(layer.weight.dtype, rows) not in TILED_PATHS or layer.weight.device.type != "cpu"
                 or not kernels_cpu.tileable(layer.weight.shape[0], columns(layer), groups)):
             continue
         kernels_cpu.retile(layer, True)

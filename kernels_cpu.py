@@ -95,10 +95,11 @@ def _build(isa: str) -> Any:
     if hasattr(getattr(torch.ops, ns), "one_query_attention"):  # AVX-512 and AVX2 builds
         meta.impl("one_query_attention", lambda q, k, v, mask, scale: (
             q.new_empty(q.shape), q.new_empty(*q.shape[:3], k.shape[2])), "Meta")
-    if hasattr(getattr(torch.ops, ns), "int8_linear_tiled"):  # AVX-512 builds only
+    if hasattr(getattr(torch.ops, ns), "int8_linear_tiled"):  # AVX-512 and AVX2 builds
         meta.impl("int8_linear_tiled", lambda x, codes, scales: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
         meta.impl("int4_linear_tiled", lambda x, packed, scales, offsets: x.new_empty(*x.shape[:-1], packed.shape[0]),
                   "Meta")
+    if hasattr(getattr(torch.ops, ns), "int8_gemm"):  # AVX-512 builds only
         meta.impl("int8_gemm", lambda x, codes, scales, tiled: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
         meta.impl("int4_gemm", lambda x, packed, scales, offsets, tiled: x.new_empty(*x.shape[:-1], packed.shape[0]),
                   "Meta")

@@ -47,7 +47,7 @@ def product(layer, x: torch.Tensor, dense: torch.Tensor, path: str) -> torch.Ten
 def layout_path(path: str) -> str:
     """The path of this file's layers, kept in rows: where the integer kernels read tiles, codes left in rows take
     the reductions (kernels._path)."""
-    return "reductions" if path == kernels.TILED_PATH else path
+    return "reductions" if path in kernels.TILED_PATHS else path
 
 
 def layer_and_dense(mode: str, w: torch.Tensor):

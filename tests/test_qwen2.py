@@ -320,7 +320,7 @@ def test_every_linear_path_adds_the_bias(mode):
             expected = F.linear(x, dense, bias)
             assert_numerically_close(layer(x), expected, depth=192)
             path = kernels.linear_path(layer.weight.dtype, x.shape[:-1].numel(), x.shape[1] == 1)
-            if path == kernels.TILED_PATH and not layer.tiled:  # codes in rows take the reductions (kernels._path)
+            if path in kernels.TILED_PATHS and not layer.tiled:  # codes in rows take the reductions (kernels._path)
                 path = "reductions"
             if path.startswith("int-dot"):
                 ops = kernels.int_ops()  # the integer dot products' own operands (Q8_0 activations), then the bias

@@ -1,5 +1,5 @@
 """Tiled int8 / int4 weights (kernels_cpu.tile_int8 / tile_int4, kernels.tile_weights): the layouts round-trip,
-the AVX-512 tiled products equal the float64 product of their operands, and a tiled layer keeps quantize.py's rows
+the tiled products (AVX-512 and AVX2 builds) equal the float64 product of their operands, and a tiled layer keeps quantize.py's rows
 in its state_dict, its dense weight and every other kernel's product."""
 
 import pytest
@@ -16,8 +16,11 @@ from kernels import dequantize_int4
 SHAPES = [(1, 576, 96, 32), (3, 1536, 48, 32), (2, 192, 32, 64), (1, 128, 16, 128), (1, 96, 16, 32)]
 
 
-def tiled_ops():
-    ops = built("avx512-vnni")
+TILED_ISAS = ("avx512-vnni", "avx2")
+
+
+def tiled_ops(isa: str = "avx512-vnni"):
+    ops = built(isa)
     if not hasattr(ops, "int8_linear_tiled"):
         pytest.skip("no tiled kernels in this build")
     return ops
@@ -42,19 +45,40 @@ def test_tiles_round_trip_and_hold_16_rows_side_by_side(shape):
     assert torch.equal(kernels_cpu.tile_groups(scales).view(-1, scales.shape[1], 16)[0], scales[:16].T)
 
 
+@pytest.mark.parametrize("isa", TILED_ISAS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_tiled_kernels_equal_the_float64_product_of_their_operands(shape):
-    ops = tiled_ops()
+def test_tiled_kernels_equal_the_float64_product_of_their_operands(shape, isa):
+    ops = tiled_ops(isa)
     check_against_float64(
         shape, ops, lambda x, codes, scales: ops.int8_linear_tiled(x, kernels_cpu.tile_int8(codes), scales),
         lambda x, packed, scales, offsets: ops.int4_linear_tiled(
             x, kernels_cpu.tile_int4(packed), kernels_cpu.tile_groups(scales), kernels_cpu.tile_groups(offsets)))
 
 
-def test_int4_tiles_keep_float16_scales_where_exact_and_multiply_as_with_fp32():
+@pytest.mark.parametrize("isa", TILED_ISAS)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_tiled_kernels_hold_the_largest_sums_a_block_can_have(isa, sign):
+    """Every code at its extreme (int8 127 * sign, int4 15) against activations that all quantize to 127 * sign:
+    the largest partial sums (the AVX2 build adds a block's int4 products in int16, its int8 pairs in maddubs)
+    come out exact, not saturated."""
+    ops = tiled_ops(isa)
+    n_in, n_out = 256, 32
+    x = torch.full((1, 1, n_in), float(sign))  # Q8_0: codes 127 * sign, scale 1 / 127
+    codes = torch.full((n_out, n_in), 127 * sign, dtype=torch.int8)
+    y8 = ops.int8_linear_tiled(x, kernels_cpu.tile_int8(codes), torch.ones(n_out))
+    packed = torch.full((n_out, n_in // 2), 0xFF, dtype=torch.uint8)
+    ones, zeros = torch.ones(n_out, n_in // 32), torch.zeros(n_out, n_in // 32)
+    y4 = ops.int4_linear_tiled(x, kernels_cpu.tile_int4(packed), kernels_cpu.tile_groups(ones),
+                               kernels_cpu.tile_groups(zeros))
+    assert_numerically_close(y8, torch.full_like(y8, 127.0 * n_in), depth=n_in)
+    assert_numerically_close(y4, torch.full_like(y4, 15.0 * n_in * sign), depth=n_in)
+
+
+@pytest.mark.parametrize("isa", TILED_ISAS)
+def test_int4_tiles_keep_float16_scales_where_exact_and_multiply_as_with_fp32(isa):
     """quantize_int4's scales and offsets are float16 values: the tiles hold them in 16 bits, and the kernel's
     products are the fp32 tiles' bit for bit. An older checkpoint's fp32 scales stay fp32 in tiles."""
-    ops = tiled_ops()
+    ops = tiled_ops(isa)
     rows, tiled = layer_pair("int4", 48, 256)
     assert tiled.scales.dtype == tiled.offsets.dtype == torch.float16
     fp32_tiles = [kernels_cpu.tile_groups(t) for t in (rows.scales, rows.offsets)]
@@ -109,7 +133,7 @@ def test_a_tiled_layer_keeps_its_rows_state_dict_and_products(mode):
         else:
             with kernels.integer_products("everywhere"):
                 assert_numerically_close(tiled(few), rows(few), depth=128 + 4, storage=torch.bfloat16, roundings=1)
-        if kernels.int_path(rows.weight.dtype) == kernels.TILED_PATH:
+        if kernels.int_path(rows.weight.dtype) in kernels.TILED_PATHS:
             one = torch.randn(1, 1, 128)
             with kernels.integer_products("everywhere"):
                 assert_numerically_close(tiled(one), rows(one), depth=128 + 4, storage=torch.bfloat16, roundings=1)
@@ -139,8 +163,11 @@ def test_tile_weights_tiles_what_the_tiled_kernels_read_and_nothing_else():
     assert wide.tiled and not narrow.tiled
     assert kernels.tile_weights([wide]) == 0  # once
     other = layer_pair("int8", tile=False)[0]
-    with kernels.force_cpu("avx2"):  # the AVX2 kernels read rows
+    with kernels.integer_products("nowhere"):  # the reductions read rows
         assert kernels.tile_weights([other]) == 0 and not other.tiled
+    if kernels.native_cpu().avx2:
+        with kernels.force_cpu("avx2"):  # the AVX2 build reads tiles too
+            assert kernels.tile_weights([other]) == 1 and other.tiled
 
 
 def test_a_tiled_int8_embedding_looks_up_its_rows_and_keeps_its_state_dict():
@@ -161,7 +188,7 @@ def test_a_batch_that_takes_a_gemm_keeps_its_int8_rows():
     int4 keeps the integer products, in tiles."""
     tiled_ops()
     with kernels.force_cpu("avx512-bf16"):
-        if kernels.linear_path(torch.int8, 8) == kernels.TILED_PATH:
+        if kernels.linear_path(torch.int8, 8) in kernels.TILED_PATHS:
             pytest.skip("no int8 GEMM here")
         int8, int4 = layer_pair("int8", tile=False)[0], layer_pair("int4", tile=False)[0]
         assert kernels.tile_weights([int8, int4], rows=8) == 1
@@ -198,7 +225,7 @@ def test_timing_keeps_the_integer_kernels_of_what_a_decoder_tiled(monkeypatch):
     monkeypatch.setattr(kernels, "_TIMED", {})
     monkeypatch.setattr(kernels_cpu, "remembered_choice", lambda *a: pytest.fail("timed a kept dtype"))
     assert kernels.time_int_paths([linear, head]) == {torch.int8: True}
-    assert kernels.int_path(torch.int8) == kernels.TILED_PATH
+    assert kernels.int_path(torch.int8) in kernels.TILED_PATHS
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
