@@ -62,8 +62,9 @@ _meta: list[torch.library.Library] = []
 
 def ops(isa: str) -> Any:
     """torch.ops.kvfast_<isa> with int8_linear, int4_linear, int4_dequantize and quantize_activations (and, in the
-    AVX-512 build, int8_linear_tiled, int4_linear_tiled, the prompt's int8_gemm / int4_gemm and prompt_attention;
-    in the AVX-512 and AVX2 builds, one_query_attention), built on first use; None (after one warning) where it cannot be built."""
+    AVX-512 and AVX2 builds, int8_linear_tiled, int4_linear_tiled and one_query_attention; in the AVX-512 build,
+    the prompt's int8_gemm / int4_gemm and prompt_attention), built on first use; None (after one warning) where
+    it cannot be built."""
     if isa not in _loaded:
         _loaded[isa] = _build(isa)
     return _loaded[isa]
@@ -146,7 +147,7 @@ def remembered_choice(key: str, names: list[str], faster: Callable[[str], tuple[
     return {name: bool(entry[name]["integer"]) for name in names}
 
 
-# ---- the tiled layouts of the AVX-512 products (kernels_cpu.cpp int8_linear_tiled / int4_linear_tiled) -----------
+# ---- the tiled layouts of the integer products (kernels_cpu.cpp int8_linear_tiled / int4_linear_tiled) --------------
 # Same shapes and bytes as quantize.py's row-major weights, rearranged in tiles of TILE_ROWS output rows so that
 # each vector lane is one output row. Plain tensor ops: they run once per layer when a model is tiled, and in a
 # compiled graph where a tiled layer meets a kernel that reads rows (its views fuse into the reduction).

@@ -1,6 +1,6 @@
 """Tiled int8 / int4 weights (kernels_cpu.tile_int8 / tile_int4, kernels.tile_weights): the layouts round-trip,
-the tiled products (AVX-512 and AVX2 builds) equal the float64 product of their operands, and a tiled layer keeps quantize.py's rows
-in its state_dict, its dense weight and every other kernel's product."""
+the tiled products (AVX-512 and AVX2 builds) equal the float64 product of their operands, and a tiled layer keeps
+quantize.py's rows in its state_dict, its dense weight and every other kernel's product."""
 
 import pytest
 import torch
