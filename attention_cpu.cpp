@@ -379,8 +379,6 @@ std::tuple<at::Tensor, at::Tensor> one_query_attention(const at::Tensor& q_, con
   const int64_t g = q.size(2);
 #if defined(KVFAST_AVX512)
   static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
-#else
-  constexpr bool bf16_dot = false;
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "one_query_attention", [&] {
     using T = std::conditional_t<std::is_same_v<scalar_t, double>, float, scalar_t>;
@@ -391,7 +389,6 @@ std::tuple<at::Tensor, at::Tensor> one_query_attention(const at::Tensor& q_, con
       if constexpr (is_bf16<T>)
         if (bf16_dot) return one_query_attention_impl<Vec, T, gv, ndv, true>(q, k, v, mask, static_cast<float>(scale), out, probs);
 #endif
-      (void)bf16_dot;
       one_query_attention_impl<Vec, T, gv, ndv>(q, k, v, mask, static_cast<float>(scale), out, probs);
     };
     const auto with_g = [&](auto ND) {
