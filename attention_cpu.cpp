@@ -8,8 +8,7 @@
 #include <bit>
 #include <utility>
 
-#if defined(KVFAST_AVX2) && defined(__F16C__)
-#define KVFAST_ONE_QUERY 1
+#if defined(KVFAST_AVX2)
 namespace {
 
 // ---- one vector of fp32 lanes: 16 (AVX-512) or 8 (AVX2) ----------------------------------------------------------
@@ -51,11 +50,7 @@ struct Avx2 {
     if (n >= W) storeu(p, x);
     else _mm256_maskstore_ps(p, first(n), x);
   }
-  static float reduce_add(reg x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
+  static float reduce_add(reg x) { return hsum8(x); }
   static float reduce_max(reg x) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -67,11 +62,7 @@ struct Avx2 {
   }
   // W channels of a K or V row as fp32; and, for bfloat16 K/V, fp32 rounded to bfloat16 and back at the points
   // where attend's bfloat16 matmuls round (kernels.attend_one_query rounds alike; fp16 K/V are read exactly)
-  template <typename T> static reg load(const T* p) {
-    if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
-    else if constexpr (std::is_same_v<T, at::Half>) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  }
+  template <typename T> static reg load(const T* p) { return load8(p); }
   template <typename T> static reg round(reg x) {
     if constexpr (!is_bf16<T>) return x;
     const __m256i b = _mm256_castps_si256(x);  // to nearest even (finite x; -inf stays -inf)
@@ -112,11 +103,7 @@ struct Avx512 {
     const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
     return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
   }
-  template <typename T> static reg load(const T* p) {
-    if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
-    else if constexpr (std::is_same_v<T, at::Half>) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
+  template <typename T> static reg load(const T* p) { return load16(p); }
   template <typename T> static reg round(reg x) {
     if constexpr (!is_bf16<T>) return x;
     const __m512i b = _mm512_castps_si512(x);

@@ -413,8 +413,8 @@ def _path(x: Tensor, dtype: torch.dtype, tiled: bool = False, tileable: bool = F
     path = linear_path(dtype, x.shape[:-1].numel(), one_token, compiled)
     if compiled and tileable and path in TILED_PATHS and not tiled:
         return "reductions"
-    if compiled and tiled and path == "reductions" and not _integer_nowhere and tiled_path():
-        return tiled_path()
+    if compiled and tiled and path == "reductions" and not _integer_nowhere:
+        return tiled_path() or path
     return path
 
 

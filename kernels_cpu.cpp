@@ -158,13 +158,6 @@ inline void int4_tile_dots(const uint8_t* w, const S* ws, const S* off, const QR
 }
 
 #elif defined(KVFAST_AVX2)
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // A row's codes stream in order (rows side by side would interleave their streams, which from memory ran at
 // half the speed); two blocks a step into two accumulators, so a step does not wait on the last multiply-add.
 inline float int8_dot(const int8_t* w, const QRow& r, int64_t in) {
@@ -228,8 +221,6 @@ inline __m256i broadcast4_256(const int8_t* q) {  // 4 activation codes to every
   std::memcpy(&v, q, 4);
   return _mm256_set1_epi32(v);
 }
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // int8 tile (code + 128): the codes' sign restored (xor), then maddubs of |code| against the activations carrying
 // the code's sign, as int8_dot (a pair is at most 2 x 128 x 127: no saturation).

@@ -17,7 +17,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVFAST_AVX512 1
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVFAST_AVX2 1
 #endif
 #if defined(KVFAST_AVX512) || defined(KVFAST_AVX2)
@@ -61,8 +61,25 @@ class QRows {
   std::vector<QRow> rows_;
 };
 
+#if defined(KVFAST_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// 8 values widened to fp32, exactly: int4 scales (float32 / float16), K and V rows (also bfloat16)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
 #if defined(KVFAST_AVX512)
-// 16 values widened to fp32, exactly: activation rows (float32 / bfloat16), int4 scales (float32 / float16)
+// 16 values widened to fp32, exactly: activation rows (float32 / bfloat16), int4 scales (float32 / float16), K
+// and V rows
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
