@@ -1,6 +1,7 @@
 """Compilation: the warm-up compiles every function once in a few steps, whatever the sample's length, and
 the measured sample compiles nothing; --compile-cache round-trips and never breaks a run; --compile-mode."""
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -23,6 +24,7 @@ import decode
 import generate
 import kernels
 from compilecache import guard_free
+from decode import Decoder
 from kv.budgets import DYNAMIC_CAPACITY_CONFIG
 from model import KVFastError
 
@@ -376,3 +378,36 @@ def test_compiled_prefill_refuses_per_head_pools_in_one_line(policy, cls, tiny_c
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
     assert f"--compile-prefill cannot compile {cls}'s prompt compression" in lines[0]
+
+
+@pytest.mark.skipif(not decode.huge_pages_enabled(), reason="transparent huge pages are off on this machine")
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+def test_weights_move_to_huge_pages_with_their_values_and_the_caches_stay(weights):
+    from test_generate import tiny_model as quantizable_model  # widths that int4's groups of 32 divide
+
+    import quantize
+
+    model = quantize.quantized_copy(quantizable_model(), weights)
+    model.setup_caches(small_factory("full", 1, model.args, 8, 8))
+    unplaced = copy.deepcopy(model)
+    kernels.tile_weights([m for m in model.modules() if hasattr(m, "tiled")])  # placed as a Decoder places them
+    kernels.tile_weights([m for m in unplaced.modules() if hasattr(m, "tiled")])
+    weights_of = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if "kv_cache" not in n}
+    before = {n: t.data_ptr() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    moved = decode.weights_on_huge_pages(model, min_bytes=0)
+
+    assert moved >= sum(t.nbytes for t in weights_of.values())
+    ptrs = sorted(t.data_ptr() for t in weights_of.values())
+    assert ptrs[0] % decode.HUGE_PAGE == 0 and ptrs[-1] - ptrs[0] < moved  # one 2 MB-aligned region
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert (t.data_ptr() == before[name]) == ("kv_cache" in name), name  # the caches' buffers stay
+    assert decode.weights_on_huge_pages(model, min_bytes=0) == 0  # already there
+    prompt = torch.randint(0, model.args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    # compiled in the CPU's default (block) scope, whose regions take the weights as inputs, and eager
+    assert torch.equal(generate_tokens(model, prompt, 6, Decoder(model, compile=True)),
+                       generate_tokens(unplaced, prompt, 6))
+    with torch.inference_mode():
+        for m in (model, unplaced):
+            m.setup_caches(lambda i: None)
+        assert torch.equal(model(prompt), unplaced(prompt))
