@@ -69,6 +69,18 @@ def huge_pages_enabled() -> bool:
         return False
 
 
+def huge_page_memory(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A fresh anonymous mapping of at least nbytes from a 2 MB boundary, advised MADV_HUGEPAGE where
+    huge_pages_enabled(), and that boundary's offset in it; torch.frombuffer(mapping, ..., offset=) views it."""
+    # private (a shared anonymous mapping is shmem, whose huge pages are another switch), untouched: each first
+    # touch faults in a 2 MB page
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % HUGE_PAGE
+    if huge_pages_enabled():
+        mapping.madvise(mmap.MADV_HUGEPAGE, start - start % mmap.PAGESIZE, nbytes + start % mmap.PAGESIZE)
+    return mapping, start
+
+
 def weights_on_huge_pages(model: nn.Module, min_bytes: int = MIN_HUGE_PAGE_WEIGHTS) -> int:
     """Copy `model`'s weights (its parameters and the buffers outside its caches) into one fresh anonymous
     mapping advised MADV_HUGEPAGE, and point each tensor there (same objects, same values). A decode step streams
@@ -84,12 +96,7 @@ def weights_on_huge_pages(model: nn.Module, min_bytes: int = MIN_HUGE_PAGE_WEIGH
     total = sum(-(-t.nbytes // 64) * 64 for t in tensors.values())
     if total < min_bytes or not huge_pages_enabled():
         return 0
-    # private (a shared anonymous mapping is shmem, whose huge pages are another switch), untouched: each first
-    # touch below faults in a 2 MB page
-    arena = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(arena)) % HUGE_PAGE
-    arena.madvise(mmap.MADV_HUGEPAGE, start - start % mmap.PAGESIZE, total + start % mmap.PAGESIZE)
-    offset = start
+    arena, offset = huge_page_memory(total)
     with torch.no_grad():
         for t in tensors.values():  # a storage each: a compiled region refuses inputs that share one
             moved = torch.frombuffer(arena, dtype=torch.uint8, count=t.nbytes, offset=offset).view(t.dtype).view(t.shape)

@@ -17,7 +17,7 @@ import torch
 
 import cache as kvcache
 import kernels
-from decode import Decoder
+from decode import Decoder, huge_page_memory
 from evals import tasks
 from kv.quant import KV_FLOATS
 from model import KVFastError, Transformer
@@ -87,18 +87,22 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def huge_page_floats(n_bytes: int) -> torch.Tensor:
+    """n_bytes of fp32 ones on 2 MB pages where the kernel has them, as a Decoder places a model's weights
+    (decode.weights_on_huge_pages): the floors are what the memory gives the best-placed stream."""
+    mapping, start = huge_page_memory(n_bytes)
+    return torch.frombuffer(mapping, dtype=torch.float32, count=n_bytes // 4, offset=start).fill_(1.0)
+
+
 def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
     """Bytes moved per second (read + write) copying a buffer far larger than the caches."""
-    src = torch.ones(n_bytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    src, dst = huge_page_floats(n_bytes), huge_page_floats(n_bytes)
     return 2 * n_bytes / median_time(lambda: dst.copy_(src), repeats)
 
 
 def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
     """Bytes read per second summing a buffer far larger than the caches: a decode step only reads."""
-    src = torch.ones(n_bytes // 4)
-    src.sum()
+    src = huge_page_floats(n_bytes)
     return n_bytes / median_time(src.sum, repeats)
 
 
