@@ -94,7 +94,7 @@ def weights_on_huge_pages(model: nn.Module, min_bytes: int = MIN_HUGE_PAGE_WEIGH
                if id(t) not in in_caches and t.device.type == "cpu" and t.is_contiguous()
                and t.data_ptr() not in placed and t.numel()}
     total = sum(-(-t.nbytes // 64) * 64 for t in tensors.values())
-    if total < min_bytes or not huge_pages_enabled():
+    if not tensors or total < min_bytes or not huge_pages_enabled():
         return 0
     arena, offset = huge_page_memory(total)
     with torch.no_grad():
