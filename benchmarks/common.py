@@ -17,9 +17,10 @@ import torch
 
 import cache as kvcache
 import kernels
-from decode import Decoder, huge_page_memory
+from decode import Decoder
 from evals import tasks
 from kv.quant import KV_FLOATS
+from memory import huge_page_memory
 from model import KVFastError, Transformer
 from tokenizer import load_tokenizer
 
@@ -89,7 +90,7 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 
 def huge_page_floats(n_bytes: int) -> torch.Tensor:
     """n_bytes of fp32 ones on 2 MB pages where the kernel has them, as a Decoder places a model's weights
-    (decode.weights_on_huge_pages): the floors are what the memory gives the best-placed stream."""
+    (memory.weights_on_huge_pages): the floors are what the memory gives the best-placed stream."""
     mapping, start = huge_page_memory(n_bytes)
     return torch.frombuffer(mapping, dtype=torch.float32, count=n_bytes // 4, offset=start).fill_(1.0)
 

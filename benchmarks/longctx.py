@@ -22,10 +22,11 @@ import torch
 import cache as kvcache
 import quantize
 from benchmarks.common import Bench, Flag, row, table, text_ids, tokenizer_of
-from decode import DEFAULT_PREFILL_CHUNK, Decoder, release_free_memory
+from decode import DEFAULT_PREFILL_CHUNK, Decoder
 from evals.caches import TIER_DEFAULTS, split_combo_policy
 from kv import kvzip
 from kv.quant import kv_format
+from memory import release_free_memory
 from model import KVFastError, Transformer
 
 GGUF_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / ".downloads"

@@ -23,6 +23,7 @@ import compilecache
 import decode
 import generate
 import kernels
+import memory
 from compilecache import guard_free
 from decode import Decoder
 from kv.budgets import DYNAMIC_CAPACITY_CONFIG
@@ -380,7 +381,7 @@ def test_compiled_prefill_refuses_per_head_pools_in_one_line(policy, cls, tiny_c
     assert f"--compile-prefill cannot compile {cls}'s prompt compression" in lines[0]
 
 
-@pytest.mark.skipif(not decode.huge_pages_enabled(), reason="transparent huge pages are off on this machine")
+@pytest.mark.skipif(not memory.huge_pages_enabled(), reason="transparent huge pages are off on this machine")
 @pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
 def test_weights_move_to_huge_pages_with_their_values_and_the_caches_stay(weights):
     from test_generate import tiny_model as quantizable_model  # widths that int4's groups of 32 divide
@@ -395,14 +396,14 @@ def test_weights_move_to_huge_pages_with_their_values_and_the_caches_stay(weight
     weights_of = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if "kv_cache" not in n}
     before = {n: t.data_ptr() for n, t in [*model.named_parameters(), *model.named_buffers()]}
 
-    moved = decode.weights_on_huge_pages(model, min_bytes=0)
+    moved = memory.weights_on_huge_pages(model, min_bytes=0)
 
     assert moved >= sum(t.nbytes for t in weights_of.values())
     ptrs = sorted(t.data_ptr() for t in weights_of.values())
-    assert ptrs[0] % decode.HUGE_PAGE == 0 and ptrs[-1] - ptrs[0] < moved  # one 2 MB-aligned region
+    assert ptrs[0] % memory.HUGE_PAGE == 0 and ptrs[-1] - ptrs[0] < moved  # one 2 MB-aligned region
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         assert (t.data_ptr() == before[name]) == ("kv_cache" in name), name  # the caches' buffers stay
-    assert decode.weights_on_huge_pages(model, min_bytes=0) == 0  # already there
+    assert memory.weights_on_huge_pages(model, min_bytes=0) == 0  # already there
     prompt = torch.randint(0, model.args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     # compiled in the CPU's default (block) scope, whose regions take the weights as inputs, and eager
     assert torch.equal(generate_tokens(model, prompt, 6, Decoder(model, compile=True)),
