@@ -45,7 +45,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     """The one attention call site. q: [B, H, S, D]; k, v: [B, H_kv, T, D] (never repeated to H heads).
 
     mask None means causal attention of S queries over the same S keys (prefill on fresh K/V); otherwise
-    mask is [B, H_kv, S, T] bool (True = may attend). When want_probs, the probabilities are computed
+    mask is [B, H_kv, S, T] bool (True = may attend), or a one-token step's slot positions [B, H_kv, 1, T] int64
+    (attend where >= 0; a compiled step's one-query kernel reads them as they are, and Inductor builds bool
+    masks slowly: 15 us a layer at 6,000 slots, 7 % of a step). When want_probs, the probabilities are computed
     explicitly and returned as [B, H_kv, g, S, T] so a cache policy can score its slots per KV head.
 
     The last three come from the cache (kv.contract.AttentionCache). layout "pool": k, v [B, P, D] are a layer's
@@ -59,10 +61,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     if (fuse_one_query and mask is not None and S == 1 and q.device.type == "cpu"
             and torch.compiler.is_compiling()):
         if pool:
-            return attend_pool_one_query(q, k, v, mask, want_probs)
+            return attend_pool_one_query(q, k, v, live(mask), want_probs)
         if channel_blocks is not None:
             k, v = channel_blocks()
         return attend_one_query(q, k, v, mask, want_probs)
+    mask = live(mask)
     if pool:
         return attend_pool(q, k, v, mask, want_probs)
     k, v = (x.to(q.dtype) if x.dtype == torch.float16 else x for x in (k, v))  # float16 K/V: read exactly in fp32
@@ -87,6 +90,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     out = torch.matmul(probs.to(v.dtype).view(B, n_kv, g * S, -1), v).to(q.dtype)
     return out.view(B, H, S, D), probs
+
+
+def live(mask: Tensor | None) -> Tensor | None:
+    """attend's mask as bool: slot positions live where >= 0."""
+    return mask if mask is None or mask.dtype == torch.bool else mask >= 0
 
 
 def attention_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None,
@@ -178,6 +186,7 @@ def attend_one_query(q: Tensor, k: Tensor | tuple, v: Tensor | tuple, mask: Tens
         out, probs = int_ops().one_query_attention(q.reshape(B, n_kv, H // n_kv, D), k, v,
                                                    mask.reshape(B, n_kv, k.shape[2]), 1.0 / math.sqrt(D))
         return out.view(B, H, 1, D), probs.unsqueeze(3) if want_probs else None
+    mask = live(mask)
     k_blocks, v_blocks = (x if isinstance(x, tuple) and not isinstance(x, Codes) else (x,) for x in (k, v))
     widths = [b.width if isinstance(b, Codes) else b.shape[-1] for b in k_blocks]
     # bfloat16 K/V under float queries: round where attend's bfloat16 matmuls do (the query, the scores, the

@@ -160,13 +160,13 @@ constexpr int64_t KEY_BLOCK = 128;  // keys per task: a 512-slot cache of 3 KV h
 #pragma GCC target("avx512bf16")
 #endif
 
-// q [B, n_kv, g, D] fp32; k, v [B, n_kv, T, D] (fp32 / fp16 / bf16); mask [B, n_kv, T] bool (True: attend); scale
-// > 0. Returns out [B, n_kv, g, D] fp32 and the probabilities [B, n_kv, g, T] fp32 (0 at masked slots). g and nd
-// (D / V::W) are template parameters, so the scores' accumulators (four keys of up to V::heads heads) are
-// registers, and one exp a key and head serves both the block's sum and the probability. dot (bfloat16 K/V on
-// AVX512-BF16): both products on vdpbf16ps, two channels (q . k) or two keys (p v) a lane, with the same
-// roundings: half the multiply-adds, but about 1.1x, not 2x, since the sums' reductions and the softmax weigh as
-// much (docs/speed.md).
+// q [B, n_kv, g, D] fp32; k, v [B, n_kv, T, D] (fp32 / fp16 / bf16); mask [B, n_kv, T] bool (True: attend) or
+// int64 (the slots' positions: attend where >= 0); scale > 0. Returns out [B, n_kv, g, D] fp32 and the
+// probabilities [B, n_kv, g, T] fp32 (0 at masked slots). g and nd (D / V::W) are template parameters, so the
+// scores' accumulators (four keys of up to V::heads heads) are registers, and one exp a key and head serves both
+// the block's sum and the probability. dot (bfloat16 K/V on AVX512-BF16): both products on vdpbf16ps, two
+// channels (q . k) or two keys (p v) a lane, with the same roundings: half the multiply-adds, but about 1.1x, not
+// 2x, since the sums' reductions and the softmax weigh as much (docs/speed.md).
 template <class V, typename T, int g, int nd, bool dot = false>
 void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                               float scale, at::Tensor& out, at::Tensor& probs) {
@@ -177,7 +177,13 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
   const float* qp = q.data_ptr<float>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  const bool* mp = mask.data_ptr<bool>();
+  // the mask as bool (true: attend), or as the slots' positions (attend where >= 0), so that a compiled step
+  // need not build a bool mask (Inductor stores one at 2-3 ns a slot, 15 us a layer at 6,000 slots)
+  const bool* mp = mask.scalar_type() == at::kBool ? mask.data_ptr<bool>() : nullptr;
+  const int64_t* pos = mp ? nullptr : mask.data_ptr<int64_t>();
+  const auto block_mask = [&](int64_t bh, int64_t t0, int64_t t1, bool* live) {
+    for (int64_t t = t0; t < t1; ++t) live[t - t0] = mp ? mp[bh * Tn + t] : pos[bh * Tn + t] >= 0;
+  };
   float* pp = probs.data_ptr<float>();
   std::vector<float> bmax(BH * blocks * g), bsum(BH * blocks * g), part(BH * blocks * g * D);
   const float minus_inf = -std::numeric_limits<float>::infinity();
@@ -185,6 +191,8 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
   at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, t0 = (task % blocks) * KEY_BLOCK, t1 = std::min(Tn, t0 + KEY_BLOCK);
+      bool live[KEY_BLOCK];
+      block_mask(bh, t0, t1, live);
       reg qv[g][nd];
       for (int j = 0; j < g; ++j)
         for (int c = 0; c < nd; ++c) qv[j][c] = V::template round<T>(V::loadu(qp + (bh * g + j) * D + W * c));
@@ -197,7 +205,7 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
       // four keys at a time: their four sums per head come out of one transposing reduction
       for (int64_t t = t0; t < t1; t += 4) {
         const int n = static_cast<int>(std::min<int64_t>(4, t1 - t));
-        const bool* mt = mp + bh * Tn + t;
+        const bool* mt = live + (t - t0);
         if (!(mt[0] || (n > 1 && mt[1]) || (n > 2 && mt[2]) || (n > 3 && mt[3]))) {
           for (int j = 0; j < g; ++j)
             for (int i = 0; i < n; ++i) pp[(bh * g + j) * Tn + t + i] = minus_inf;
@@ -278,6 +286,8 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
   at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, t0 = (task % blocks) * KEY_BLOCK, t1 = std::min(Tn, t0 + KEY_BLOCK);
+      bool live[KEY_BLOCK];
+      block_mask(bh, t0, t1, live);
       alignas(64) float rounded[g][KEY_BLOCK];  // the probabilities as the values' product sees them
       for (int j = 0; j < g; ++j) {
         float* s = pp + (bh * g + j) * Tn;
@@ -299,7 +309,7 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
         for (int j = 0; j < g; ++j)
           for (int c = 0; c < nd; ++c) acc[j][c] = _mm512_setzero_ps();
         for (int64_t t = t0; t < t1; t += 2) {
-          const bool a = mp[bh * Tn + t], b = t + 1 < t1 && mp[bh * Tn + t + 1];
+          const bool a = live[t - t0], b = t + 1 < t1 && live[t + 1 - t0];
           if (!(a || b)) continue;
           const T* vt = vp + (bh * Tn + t) * D;
           prefetch_row_ahead(vt, 2 * D);
@@ -338,7 +348,7 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
         for (int j = 0; j < g; ++j)
           for (int c = 0; c < cb; ++c) acc[j][c] = V::zero();
         for (int64_t t = t0; t < t1; ++t) {
-          if (!mp[bh * Tn + t]) continue;
+          if (!live[t - t0]) continue;
           const T* vt = vp + (bh * Tn + t) * D + W * c0;
           if (c0 == 0) prefetch_row_ahead(vt, D);
           reg p[g];
@@ -367,8 +377,9 @@ std::tuple<at::Tensor, at::Tensor> one_query_attention(const at::Tensor& q_, con
                                                        const at::Tensor& mask_, double scale) {
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), mask = mask_.contiguous();
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.scalar_type() == at::kFloat &&
-                  k.scalar_type() == v.scalar_type() && mask.scalar_type() == at::kBool,
-              "one_query_attention: q [B, n_kv, g, D] float32, k and v [B, n_kv, T, D] alike, mask [B, n_kv, T] bool");
+                  k.scalar_type() == v.scalar_type() &&
+                  (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kLong),
+              "one_query_attention: q [B, n_kv, g, D] float32, k and v [B, n_kv, T, D] alike, mask [B, n_kv, T] bool or int64");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) && q.size(2) >= 1 &&
                   q.size(2) <= 8 && (q.size(3) == 64 || q.size(3) == 128) && mask.numel() == k.size(0) * k.size(1) * k.size(2),
               "one_query_attention: shapes must agree, 1 <= g <= 8, D 64 or 128");

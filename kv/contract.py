@@ -59,7 +59,7 @@ class AttentionCache(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} takes no prompt")
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Write the new token(s) at input_pos; return every slot's K, V (in `layout`) and the mask."""
+        """Write the new token(s) at input_pos; return every slot's K, V (in `layout`) and attend()'s mask."""
         raise NotImplementedError(f"{type(self).__name__} does not decode")
 
     def observe(self, probs: Tensor) -> None:

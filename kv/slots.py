@@ -195,13 +195,14 @@ class KVCache(Configurable, Rollback, SyntheticFill, RaggedRows, TierSlots, Slot
         return self.insert(self.choose_slot(input_pos), input_pos, k, v)
 
     def insert(self, slot: Tensor, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """update() after the choice: the new token into slot [B, H_kv] (kv.tiers demotes its old token first)."""
+        """update() after the choice: the new token into slot [B, H_kv] (kv.tiers demotes its old token first).
+        The mask is the slots' positions (attention.attend: live where >= 0), valid until the next update."""
         B, H = slot.shape
         self.write_slots(slot.view(B, H, 1), k, v)
         put_rows(self.slot_pos, slot.view(B, H, 1), input_pos.view(1, 1, 1).expand(B, H, 1))
         self.seen.copy_(input_pos + 1)
         self.on_insert(slot, k, input_pos)
-        return *self.keys_values(attention=True), (self.slot_pos >= 0).unsqueeze(2)
+        return *self.keys_values(attention=True), self.slot_pos.unsqueeze(2)
 
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """Per KV head, the slot the new token goes to: an empty one, else the lowest-scored evictable one."""

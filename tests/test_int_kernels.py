@@ -270,6 +270,27 @@ def test_one_query_attention_equals_the_reductions(isa, dtype, B, n_kv, g, D, T,
 
 
 @pytest.mark.parametrize("isa", ONE_QUERY_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_attention_reads_slot_positions_as_its_mask(isa, dtype):
+    """A slot cache's positions as the mask (live where >= 0: position 0 live, -1 empty, positions past 2^32)
+    give the bool mask's outputs bit for bit; a mask of another dtype is refused."""
+    ops = one_query_kernel(isa)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 2, 3, 64, generator=gen)
+    k, v = (torch.randn(2, 2, 300, 64, generator=gen).to(dtype) for _ in "kv")
+    mask = torch.rand(2, 2, 300, generator=gen) < 0.6
+    mask[..., 0], mask[..., 1], mask[..., 128:256] = True, False, False
+    positions = torch.randint(0, 2**40, (2, 2, 300), generator=gen)
+    positions[..., 0] = 0
+    positions[~mask] = -1
+    by_bool = ops.one_query_attention(q, k, v, mask, 0.125)
+    by_positions = ops.one_query_attention(q, k, v, positions, 0.125)
+    assert torch.equal(by_bool[0], by_positions[0]) and torch.equal(by_bool[1], by_positions[1])
+    with pytest.raises(RuntimeError, match="mask"):
+        ops.one_query_attention(q, k, v, positions.int(), 0.125)
+
+
+@pytest.mark.parametrize("isa", ONE_QUERY_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_one_query_attention_never_reads_a_masked_slot(isa, dtype):
     """NaN in every masked slot's K and V (a static buffer past its fill, an evicted slot) leaves the output

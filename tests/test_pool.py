@@ -183,15 +183,16 @@ def test_compiled_equals_eager_over_1000_steps_and_other_prompt_lengths():
     assert len(splits) > 1  # the split between heads really changed
 
 
-@pytest.mark.parametrize("layout", ["uniform", "pool"])
+@pytest.mark.parametrize("layout", ["uniform", "positions", "pool"])
 def test_one_query_attention_compiled_equals_the_matmul_path(layout):
     """The compiled CPU decode step's fused one-query attention (attention.attend_one_query / attend_pool_one_query:
     a pool slot scored only by its owner's query heads) == attend's matmul path: outputs and the probabilities
-    a policy observes, with empty slots and a head that owns nothing in one row."""
+    a policy observes, with empty slots and a head that owns nothing in one row. "positions": the mask given as
+    a slot cache gives it, the slots' positions (-1: empty), on both paths."""
     gen = torch.Generator().manual_seed(0)
     B, n_kv, g, D, T = 2, 3, 3, 16, 40
     q = torch.randn(B, n_kv * g, 1, D, generator=gen)
-    if layout == "uniform":
+    if layout != "pool":
         k, v = (torch.randn(B, n_kv, T, D, generator=gen) for _ in "kv")
         mask = torch.rand(B, n_kv, 1, T, generator=gen) > 0.3
     else:
@@ -202,10 +203,15 @@ def test_one_query_attention_compiled_equals_the_matmul_path(layout):
         held = torch.rand(B, T, generator=gen) > 0.2
         held[1, -1] = False
         mask = ((owner.unsqueeze(1) == torch.arange(n_kv).view(1, -1, 1)) & held.unsqueeze(1)).unsqueeze(2)
-    out, probs = attend(q, k, v, mask, want_probs=True, layout=layout)
-    fused = torch.compile(lambda *a: attend(*a, want_probs=True, layout=layout), fullgraph=True, backend="inductor")
+    attend_layout = "pool" if layout == "pool" else "uniform"
+    out, probs = attend(q, k, v, mask, want_probs=True, layout=attend_layout)
+    if layout == "positions":
+        mask = torch.where(mask, torch.arange(T), -1)
+        assert all(torch.equal(a, b) for a, b in zip(attend(q, k, v, mask, want_probs=True), (out, probs)))
+    fused = torch.compile(lambda *a: attend(*a, want_probs=True, layout=attend_layout), fullgraph=True,
+                          backend="inductor")
     fused_out, fused_probs = fused(q, k, v, mask)
-    rows = slice(None) if layout == "uniform" else slice(0, 1)  # row 1's head 2 attends to nothing: NaN either way
+    rows = slice(None) if layout != "pool" else slice(0, 1)  # row 1's head 2 attends to nothing: NaN either way
     torch.testing.assert_close(fused_out[rows], out[rows])
     torch.testing.assert_close(fused_probs[rows], probs[rows])
     assert fused_probs.shape == probs.shape
