@@ -46,8 +46,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, want_probs: boo
 
     mask None means causal attention of S queries over the same S keys (prefill on fresh K/V); otherwise
     mask is [B, H_kv, S, T] bool (True = may attend), or a one-token step's slot positions [B, H_kv, 1, T] int64
-    (attend where >= 0; a compiled step's one-query kernel reads them as they are, and Inductor builds bool
-    masks slowly: 15 us a layer at 6,000 slots, 7 % of a step). When want_probs, the probabilities are computed
+    (attend where >= 0: a compiled step's one-query kernel reads them as they are, where Inductor would build a
+    bool mask slowly, docs/speed.md). When want_probs, the probabilities are computed
     explicitly and returned as [B, H_kv, g, S, T] so a cache policy can score its slots per KV head.
 
     The last three come from the cache (kv.contract.AttentionCache). layout "pool": k, v [B, P, D] are a layer's
