@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <memory>
 #include <utility>
 
 #if defined(KVFAST_AVX2)
@@ -178,12 +179,11 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   // the mask as bool (true: attend), or as the slots' positions (attend where >= 0), so that a compiled step
-  // need not build a bool mask (Inductor stores one at 2-3 ns a slot, 15 us a layer at 6,000 slots)
-  const bool* mp = mask.scalar_type() == at::kBool ? mask.data_ptr<bool>() : nullptr;
-  const int64_t* pos = mp ? nullptr : mask.data_ptr<int64_t>();
-  const auto block_mask = [&](int64_t bh, int64_t t0, int64_t t1, bool* live) {
-    for (int64_t t = t0; t < t1; ++t) live[t - t0] = mp ? mp[bh * Tn + t] : pos[bh * Tn + t] >= 0;
-  };
+  // need not build a bool mask (Inductor stores one at 2-3 ns a slot, 15 us a layer at 6,000 slots); each task
+  // tests its block's positions once, in the first pass, into from_positions, which the second pass reads
+  const int64_t* pos = mask.scalar_type() == at::kLong ? mask.data_ptr<int64_t>() : nullptr;
+  std::unique_ptr<bool[]> from_positions(pos ? new bool[BH * Tn] : nullptr);
+  const bool* live = pos ? from_positions.get() : mask.data_ptr<bool>();
   float* pp = probs.data_ptr<float>();
   std::vector<float> bmax(BH * blocks * g), bsum(BH * blocks * g), part(BH * blocks * g * D);
   const float minus_inf = -std::numeric_limits<float>::infinity();
@@ -191,8 +191,8 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
   at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, t0 = (task % blocks) * KEY_BLOCK, t1 = std::min(Tn, t0 + KEY_BLOCK);
-      bool live[KEY_BLOCK];
-      block_mask(bh, t0, t1, live);
+      if (pos)
+        for (int64_t t = t0; t < t1; ++t) from_positions[bh * Tn + t] = pos[bh * Tn + t] >= 0;
       reg qv[g][nd];
       for (int j = 0; j < g; ++j)
         for (int c = 0; c < nd; ++c) qv[j][c] = V::template round<T>(V::loadu(qp + (bh * g + j) * D + W * c));
@@ -205,7 +205,7 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
       // four keys at a time: their four sums per head come out of one transposing reduction
       for (int64_t t = t0; t < t1; t += 4) {
         const int n = static_cast<int>(std::min<int64_t>(4, t1 - t));
-        const bool* mt = live + (t - t0);
+        const bool* mt = live + bh * Tn + t;
         if (!(mt[0] || (n > 1 && mt[1]) || (n > 2 && mt[2]) || (n > 3 && mt[3]))) {
           for (int j = 0; j < g; ++j)
             for (int i = 0; i < n; ++i) pp[(bh * g + j) * Tn + t + i] = minus_inf;
@@ -286,8 +286,6 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
   at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, t0 = (task % blocks) * KEY_BLOCK, t1 = std::min(Tn, t0 + KEY_BLOCK);
-      bool live[KEY_BLOCK];
-      block_mask(bh, t0, t1, live);
       alignas(64) float rounded[g][KEY_BLOCK];  // the probabilities as the values' product sees them
       for (int j = 0; j < g; ++j) {
         float* s = pp + (bh * g + j) * Tn;
@@ -309,7 +307,7 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
         for (int j = 0; j < g; ++j)
           for (int c = 0; c < nd; ++c) acc[j][c] = _mm512_setzero_ps();
         for (int64_t t = t0; t < t1; t += 2) {
-          const bool a = live[t - t0], b = t + 1 < t1 && live[t + 1 - t0];
+          const bool a = live[bh * Tn + t], b = t + 1 < t1 && live[bh * Tn + t + 1];
           if (!(a || b)) continue;
           const T* vt = vp + (bh * Tn + t) * D;
           prefetch_row_ahead(vt, 2 * D);
@@ -348,7 +346,7 @@ void one_query_attention_impl(const at::Tensor& q, const at::Tensor& k, const at
         for (int j = 0; j < g; ++j)
           for (int c = 0; c < cb; ++c) acc[j][c] = V::zero();
         for (int64_t t = t0; t < t1; ++t) {
-          if (!live[t - t0]) continue;
+          if (!live[bh * Tn + t]) continue;
           const T* vt = vp + (bh * Tn + t) * D + W * c0;
           if (c0 == 0) prefetch_row_ahead(vt, D);
           reg p[g];
