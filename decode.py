@@ -92,9 +92,10 @@ def prefill_dtype(name: str | None, model: Transformer, compiled: bool = False) 
     """--prefill-dtype's precision of `model`'s prompt products (None: the compute dtype's); compiled: the prefill
     is (--compile-prefill). "int8": the projections' int8 / int4 codes times Q8_0 activations, as in a decode step,
     in the integer GEMM (gemm_cpu.cpp, kernels.integer_products("prompt")), and the rest of the prompt in bfloat16
-    where the CPU multiplies it in hardware; eager, on a CPU with AVX-512 VNNI. "auto": int8 for int8 / int4 weights
-    on such a CPU without AMX (whose bfloat16 tiles oneDNN's GEMMs use): 512 tokens of SmolLM2 int4 took 0.36
-    instead of 0.48 s in bfloat16, for the decode step's +1.4 % perplexity (docs/speed.md, "Integer prompts"). Else
+    where the CPU multiplies it in hardware; eager, on a CPU with AVX-512 VNNI or AVX2. "auto": int8 for int8 / int4
+    weights on such a CPU without AMX (whose bfloat16 tiles oneDNN's GEMMs use): 512 tokens of SmolLM2 int4 took 0.36
+    instead of 0.48 s in bfloat16 with AVX-512, 0.60 instead of 0.92 s in float32 with AVX2, for the decode step's
+    +1.4 % perplexity (docs/speed.md, "Integer prompts"). Else
     bfloat16 where the projections are stored in 16 bits or fewer (bf16, int8, int4 weights) and the CPU multiplies
     bfloat16 in hardware (AVX512-BF16 or AMX: kernels.CPU.bf16_dot): 0.48 instead of 0.93 s, +0.2 % perplexity
     ("Prefill in bfloat16"); else the compute dtype. fp32 weights keep fp32 products."""
@@ -102,7 +103,7 @@ def prefill_dtype(name: str | None, model: Transformer, compiled: bool = False) 
     codes, on_cpu = weight.dtype in (torch.int8, torch.uint8), weight.device.type == "cpu"
     if name in (None, "auto"):
         chip = cpu()
-        if codes and on_cpu and not compiled and chip.avx512_vnni and not chip.amx_int8 and int_gemm_runs():
+        if codes and on_cpu and not compiled and not chip.amx_int8 and int_gemm_runs():
             return torch.int8
         stored = codes or weight.dtype == torch.bfloat16
         return torch.bfloat16 if stored and on_cpu and chip.bf16_dot else None
@@ -114,7 +115,8 @@ def prefill_dtype(name: str | None, model: Transformer, compiled: bool = False) 
         if compiled:
             raise KVFastError("--prefill-dtype int8 runs eagerly: leave out --compile-prefill")
         if not (on_cpu and int_gemm_runs()):
-            raise KVFastError("--prefill-dtype int8 needs a CPU with AVX-512 VNNI and kvfast's C++ kernels built")
+            raise KVFastError("--prefill-dtype int8 needs a CPU with AVX2 or AVX-512 VNNI and kvfast's C++ kernels "
+                              "built")
     return getattr(torch, name)
 
 

@@ -1,27 +1,28 @@
-// A prompt's products over tiled int8 / int4 codes in integer dot products (AVX-512 VNNI builds only; built with
-// kernels_cpu.cpp, whose TORCH_LIBRARY this fragment adds its ops to).
+// A prompt's products over tiled int8 / int4 codes in integer dot products (AVX-512 VNNI and AVX2 builds; built
+// with kernels_cpu.cpp, whose TORCH_LIBRARY this fragment adds its ops to).
 //
 // The one-token kernels (kernels_cpu.cpp int8_tile_dots / int4_tile_dots) as a GEMM: each vpdpbusd multiplies
-// 64 codes by 4 activation codes broadcast, 64 multiply-adds where bfloat16's vdpbf16ps does 32, and the codes
-// are read as stored, not first dequantized into a dense bfloat16 weight. A micro-tile of MR activation rows by
-// NT tiles of 16 output rows keeps its MR x NT accumulators in registers, so every weight vector loaded serves
-// MR rows and every activation broadcast NT tiles. The order of each output's sums is the one-token kernel's,
-// so every row of the product equals that kernel's output for the row, bit for bit.
+// 64 codes by 4 activation codes broadcast, 64 multiply-adds where bfloat16's vdpbf16ps does 32 (AVX2's
+// vpmaddubsw: 32, where an fp32 FMA does 8), and the codes are read as stored, not first dequantized into a dense
+// weight. A micro-tile of MR activation rows by NT tiles of 16 output rows keeps its accumulators in registers,
+// so every weight vector loaded serves MR rows and every activation broadcast NT tiles. The order of each
+// output's sums is the one-token kernel's, so every row of the product equals that kernel's output for the row,
+// bit for bit.
 
 #include "kernels_cpu.h"
 
-#if defined(KVFAST_AVX512)
+#if defined(KVFAST_AVX2)  // AVX-512 builds have AVX2 too
 namespace {
 
-// A micro-tile's activation rows (M) and tiles of 16 output rows (NT): its accumulators fill the 32 vector
-// registers; int4 products whose groups span several blocks hold a third set, each group's sums.
-#ifndef MR_ROWS
-#define MR_ROWS 6
+// A micro-tile's activation rows (MR_ROWS; MR_GROUPS for int4 products whose groups span several blocks, which
+// hold a third set of accumulators, each group's sums) and tiles of 16 output rows (NT): AVX-512's 32 vector
+// registers hold 6 x 2 tiles; AVX2's 16 hold 3 rows of one tile (two vectors of 8 rows), whose integer sums stay
+// in registers (4 rows spilled some and ran at 0.90-0.93x the speed; two tiles of 2 or 3 rows, slower still).
+#if defined(KVFAST_AVX512)
+constexpr int MR_ROWS = 6, MR_GROUPS = 4, NT = 2;
+#else
+constexpr int MR_ROWS = 3, MR_GROUPS = 3, NT = 1;
 #endif
-#ifndef MR_GROUPS
-#define MR_GROUPS 4
-#endif
-constexpr int NT = 2;
 // Activation codes per chunk of rows that a thread's tiles all multiply before the next chunk: they stay in
 // its share of L2 (a prompt's 2048 rows of 1536 codes did not, and their broadcasts waited on L3).
 #ifndef CHUNK_BYTES
@@ -30,17 +31,8 @@ constexpr int NT = 2;
 // Up to this many rows a micro-tile takes one tile: the codes of two stream from memory slower than one's.
 constexpr int64_t ONE_TILE_ROWS = 3;
 
-// 16 outputs to y: float32, or bfloat16 rounded to nearest even (as at::BFloat16; no NaN reaches a product)
-inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
-inline void store16(at::BFloat16* y, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
-}
-
-// How a micro-tile scales its integer sums: int8 codes (stored + 128, so each block's sum starts from the rows'
-// block_bias; one scale per output row at the end), or int4 codes (per group of `group` columns: scale and offset,
+// How a micro-tile scales its integer sums: int8 codes (stored + 128: in AVX-512 builds each block's sum starts
+// from the rows' block_bias; one scale per output row at the end), or int4 codes (per group of `group` columns: scale and offset,
 // float32 or float16 S; ONE_BLOCK: groups of 32, where a group's sum is its one block's).
 struct Int8Scales {
   const float* scales;  // this micro-tile's first output row's
@@ -52,6 +44,16 @@ struct Int4Scales {
   const S* offsets;
   int64_t tile_stride, group;
 };
+
+#if defined(KVFAST_AVX512)
+// 16 outputs to y: float32, or bfloat16 rounded to nearest even (as at::BFloat16; no NaN reaches a product)
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+inline void store16(at::BFloat16* y, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+}
 
 // Rows r[0..M) times N tiles of codes in tile_int8's layout ([in / 4][16 rows][4 columns], tile n at
 // w + n * stride; int4 codes unpacked to bytes 0..15 first) into y (row m at y + m * ldy).
@@ -103,7 +105,7 @@ void micro(const uint8_t* w, int64_t stride, const QRow* const* r, int64_t in, c
                              : _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][n]), d, gacc[m][n]);
       }
       if (last) {
-        const int64_t g = b / sc.group;
+        const int64_t g = Scales::one_block ? b / QK : b / sc.group;
         for (int n = 0; n < N; ++n) {
           const __m512 scale = load16(sc.scales + n * sc.tile_stride + g * TR);
           const __m512 offset = load16(sc.offsets + n * sc.tile_stride + g * TR);
@@ -122,6 +124,92 @@ void micro(const uint8_t* w, int64_t stride, const QRow* const* r, int64_t in, c
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) store16(y + m * ldy + n * TR, acc[m][n]);
 }
+
+#else
+// 8 outputs to y, as store16
+inline void store8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }
+inline void store8(at::BFloat16* y, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);  // 8 words in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_castsi256_si128(packed));
+}
+
+// As the AVX-512 micro-kernel, each tile as two vectors of 8 rows (h), with int4_tile_dots' and int8_tile_dots'
+// AVX2 arithmetic: int4 codes (0..15) times the activations add up in int16 over a block (8 pairs a lane, at most
+// 30,480); int8 codes (stored + 128) get their sign back, and vpmaddubsw multiplies |code| by the activations
+// carrying the code's sign, each pair's sum widened to int32 at once.
+template <int M, int N, typename Scales, typename Y>
+void micro(const uint8_t* w, int64_t stride, const QRow* const* r, int64_t in, const Scales& sc, Y* y, int64_t ldy) {
+  constexpr bool int4 = !std::is_same_v<Scales, Int8Scales>;
+  constexpr int H = 2 * N;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[M][H], gacc[M][H];
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < H; ++h) acc[m][h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < in; b += QK) {
+    __m256i s[M][H];
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h) s[m][h] = _mm256_setzero_si256();
+    const uint8_t* wb = w + b * TR;
+#pragma GCC unroll 8
+    for (int k = 0; k < QK / 4; ++k) {
+      __m256i wv[H], sign[H];
+      for (int h = 0; h < H; ++h) {
+        wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + h / 2 * stride + 64 * k + 32 * (h % 2)));
+        if constexpr (!int4) {
+          sign[h] = _mm256_xor_si256(wv[h], flip);
+          wv[h] = _mm256_sign_epi8(sign[h], sign[h]);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256i a = broadcast4_256(r[m]->q + b + 4 * k);
+        for (int h = 0; h < H; ++h) {
+          if constexpr (int4) {
+            s[m][h] = _mm256_add_epi16(s[m][h], _mm256_maddubs_epi16(wv[h], a));
+          } else {
+            const __m256i pairs = _mm256_maddubs_epi16(wv[h], _mm256_sign_epi8(a, sign[h]));
+            s[m][h] = _mm256_add_epi32(s[m][h], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+    }
+    if constexpr (!int4) {
+      for (int m = 0; m < M; ++m) {
+        const __m256 d = _mm256_set1_ps(r[m]->d_lane[b / 4]);
+        for (int h = 0; h < H; ++h) acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][h]), d, acc[m][h]);
+      }
+    } else {
+      const bool first = Scales::one_block || b % sc.group == 0, last = Scales::one_block || (b + QK) % sc.group == 0;
+      for (int m = 0; m < M; ++m) {
+        const __m256 d = _mm256_set1_ps(r[m]->d_lane[b / 4]);
+        for (int h = 0; h < H; ++h) {
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[m][h], ones));
+          gacc[m][h] = first ? _mm256_mul_ps(f, d) : _mm256_fmadd_ps(f, d, gacc[m][h]);  // as fma(., ., 0)
+        }
+      }
+      if (last) {
+        const int64_t g = Scales::one_block ? b / QK : b / sc.group;
+        for (int h = 0; h < H; ++h) {
+          const int64_t at = h / 2 * sc.tile_stride + g * TR + 8 * (h % 2);
+          const __m256 scale = load8(sc.scales + at), offset = load8(sc.offsets + at);
+          for (int m = 0; m < M; ++m) {
+            acc[m][h] = _mm256_fmadd_ps(gacc[m][h], scale, acc[m][h]);
+            acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(r[m]->group_sum[g]), acc[m][h]);
+          }
+        }
+      }
+    }
+  }
+  if constexpr (!int4) {
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h) acc[m][h] = _mm256_mul_ps(acc[m][h], _mm256_loadu_ps(sc.scales + 8 * h));
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < H; ++h) store8(y + m * ldy + 8 * h, acc[m][h]);
+}
+#endif
 
 // Every (m, n) <= (M, N) instance of a micro-kernel, chosen at run time for a block's rows m and tiles n.
 template <int M, int N, typename Call>
@@ -146,30 +234,29 @@ struct Codes {
     const int64_t tile_bytes = TR * in;
     if (tiled && !int4) return w + t * tile_bytes;
     buffer.resize(n * tile_bytes);
-    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < n; ++j) {
       uint8_t* dst = buffer.data() + j * tile_bytes;
       if (tiled) {  // tile_int4: [in / 8][16 rows][4 bytes], byte i holding column 8c + i low and 8c + 4 + i high
         const uint8_t* src = w + (t + j) * tile_bytes / 2;
-        for (int64_t c = 0; c < tile_bytes / 2; c += 64) {
-          const __m512i bytes = _mm512_loadu_si512(src + c);
-          _mm512_storeu_si512(dst + 2 * c, _mm512_and_si512(bytes, low));
-          _mm512_storeu_si512(dst + 2 * c + 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low));
-        }
+        for (int64_t c = 0; c < tile_bytes / 2; c += 64)
+          for (int i = 0; i < 64; ++i) {
+            dst[2 * c + i] = src[c + i] & 0x0F;
+            dst[2 * c + 64 + i] = src[c + i] >> 4;
+          }
         continue;
       }
       // rows: 4 columns of 16 rows gathered as one 32-bit word per row (int8: code + 128; int4: column c < in / 2
       // in the low nibbles of byte c, column c + in / 2 in the high ones)
       const int64_t row_bytes = int4 ? in / 2 : in;
       const uint8_t* src = w + (t + j) * TR * row_bytes;
-      const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(static_cast<int>(row_bytes)));
       for (int64_t c = 0; c < in; c += 4) {
         const int64_t at = int4 && c >= in / 2 ? c - in / 2 : c;
-        __m512i v = _mm512_i32gather_epi32(rows, src + at, 1);
-        if (!int4) v = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
-        else v = _mm512_and_si512(c >= in / 2 ? _mm512_srli_epi16(v, 4) : v, low);
-        _mm512_storeu_si512(dst + c * TR, v);
+        for (int row = 0; row < TR; ++row) {
+          uint32_t v;
+          std::memcpy(&v, src + row * row_bytes + at, 4);
+          v = !int4 ? v ^ 0x80808080u : (c >= in / 2 ? v >> 4 : v) & 0x0F0F0F0Fu;
+          std::memcpy(dst + c * TR + 4 * row, &v, 4);
+        }
       }
     }
     return buffer.data();

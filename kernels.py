@@ -393,8 +393,8 @@ def int_gemm_ops(x: Tensor, tiled: bool) -> object | None:
 
 
 def int_gemm_runs() -> bool:
-    """Does this machine run the integer GEMM (the AVX-512 VNNI build of the kernels)?"""
-    return native_cpu().avx512_vnni and hasattr(kernels_cpu.ops("avx512-vnni") or object(), "int8_gemm")
+    """Does the chosen CPU kind run the integer GEMM (the AVX-512 VNNI or AVX2 build of the kernels)?"""
+    return gemm_ops() is not None
 
 
 def _path(x: Tensor, dtype: torch.dtype, tiled: bool = False, tileable: bool = False) -> str:
@@ -507,11 +507,17 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool 
 
 
 def tiled_eager_ops(x: Tensor) -> object | None:
-    """The AVX-512 build, whose integer GEMM reads tiles and rows, for an eager CPU product of x (None: another
-    kernel)."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling() or not native_cpu().avx512_vnni:
+    """The chosen CPU kind's build where it has the integer GEMM (AVX-512 VNNI or AVX2), which reads tiles and
+    rows, for an eager CPU product of x (None: another kernel)."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    return kernels_cpu.ops("avx512-vnni")
+    return gemm_ops()
+
+
+def gemm_ops() -> object | None:
+    """The chosen CPU kind's build of the kernels if it has the integer GEMM (AVX-512 VNNI and AVX2 builds)."""
+    ops = int_ops()
+    return ops if hasattr(ops, "int8_gemm") else None
 
 
 def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, dtype: torch.dtype | None = None,

@@ -216,12 +216,6 @@ inline void int4_dots(const uint8_t* w, const float* ws, const float* off, const
 }
 
 // ---- tiled layouts (as in the AVX-512 build): each 64 bytes of a tile are two vectors of 8 rows -------------------
-inline __m256i broadcast4_256(const int8_t* q) {  // 4 activation codes to every lane
-  int32_t v;
-  std::memcpy(&v, q, 4);
-  return _mm256_set1_epi32(v);
-}
-
 // int8 tile (code + 128): the codes' sign restored (xor), then maddubs of |code| against the activations carrying
 // the code's sign, as int8_dot (a pair is at most 2 x 128 x 127: no saturation).
 inline void int8_tile_dots(const uint8_t* w, const QRow& r, int64_t in, const float* scales, float* y) {

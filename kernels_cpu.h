@@ -37,9 +37,9 @@ constexpr int64_t TR = 16;  // output rows per tile of the tiled layouts (kernel
 struct QRow {
   int8_t* q;            // [in]
   float* d_lane;        // [in / 4]: the scale of the block of columns 4i..4i+3
-  int32_t* bias;        // [in / 4]: -128 * (q[4i] + ... + q[4i+3]) (the int8 codes' +128 shift)
+  int32_t* bias;        // [in / 4]: -128 * (q[4i] + ... + q[4i+3]) (the int8 codes' +128 shift; AVX-512 builds)
   float* group_sum;     // [n_groups]: sum of the exact x over each weight group (int4's offsets)
-  int32_t* block_bias;  // [in / 32]: the sum of `bias` over each block of 32 columns (tiled int8)
+  int32_t* block_bias;  // [in / 32]: the sum of `bias` over each block of 32 columns (tiled int8; AVX-512 builds)
 };
 
 // The quantized rows of one product in one block of memory. A decode step's rows (one token's, up to 64 KB) reuse
@@ -125,7 +125,7 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 #endif
 
-// x [in] (float32; bfloat16 in the AVX-512 build) into r, whose group sums start at zero.
+// x [in] (float32; bfloat16 in the vector builds) into r, whose group sums start at zero.
 template <typename T>
 void quantize_row(const T* x, int64_t in, int64_t group, const QRow& r) {
   for (int64_t b = 0; b < in; b += QK) {
@@ -147,19 +147,32 @@ void quantize_row(const T* x, int64_t in, int64_t group, const QRow& r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.bias + b / 4), bias);
     r.block_bias[b / QK] = _mm512_reduce_add_epi32(_mm512_inserti64x4(_mm512_setzero_si512(), bias, 0));
     if (group > 0) r.group_sum[b / group] += _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+#elif defined(KVFAST_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8(x + b + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));  // as nearbyint
+    // the packs work within 128-bit lanes: words 0-3 of q0, q1, q2, q3, then their 4-7, put back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q + b),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    _mm256_storeu_ps(r.d_lane + b / 4, _mm256_set1_ps(d));
+    if (group > 0) r.group_sum[b / group] += hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
 #else
     float amax = 0.f;
     for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[b + j]));
     const float d = amax / 127.f;
     const float id = d != 0.f ? 1.f / d : 0.f;
     for (int64_t j = 0; j < QK; ++j) r.q[b + j] = static_cast<int8_t>(std::nearbyint(x[b + j] * id));
-    int32_t block_bias = 0;
-    for (int64_t l = b / 4; l < (b + QK) / 4; ++l) {
-      r.d_lane[l] = d;
-      r.bias[l] = -128 * (r.q[4 * l] + r.q[4 * l + 1] + r.q[4 * l + 2] + r.q[4 * l + 3]);
-      block_bias += r.bias[l];
-    }
-    r.block_bias[b / QK] = block_bias;
+    for (int64_t l = b / 4; l < (b + QK) / 4; ++l) r.d_lane[l] = d;
     if (group > 0) {
       float s = 0.f;
       for (int64_t j = 0; j < QK; ++j) s += x[b + j];
@@ -169,14 +182,19 @@ void quantize_row(const T* x, int64_t in, int64_t group, const QRow& r) {
   }
 }
 
+#if defined(KVFAST_AVX2)
+inline __m256i broadcast4_256(const int8_t* q) {  // 4 activation codes to every lane
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm256_set1_epi32(v);
+}
+#endif
 #if defined(KVFAST_AVX512)
-inline __m512i broadcast4(const int8_t* q) {  // 4 activation codes to every lane
+inline __m512i broadcast4(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, 4);
   return _mm512_set1_epi32(v);
 }
-
-
 #endif
 
 // x [..., in] (float32 or bfloat16) -> its rows quantized, in parallel; y [..., out] like x.
@@ -187,7 +205,7 @@ QRows quantize_rows(const at::Tensor& x, int64_t group) {
   const bool wide = x.scalar_type() == at::kFloat;
   QRows q(rows, in, group > 0 ? in / group : 0);
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-#if !defined(KVFAST_AVX512)
+#if !defined(KVFAST_AVX2)
     std::vector<float> row(wide ? 0 : in);
 #endif
     for (int64_t r = begin; r < end; ++r) {
@@ -196,7 +214,7 @@ QRows quantize_rows(const at::Tensor& x, int64_t group) {
         continue;
       }
       const at::BFloat16* xr = x.data_ptr<at::BFloat16>() + r * in;
-#if defined(KVFAST_AVX512)
+#if defined(KVFAST_AVX2)
       quantize_row(xr, in, group, q[r]);
 #else
       for (int64_t j = 0; j < in; ++j) row[j] = static_cast<float>(xr[j]);

@@ -62,9 +62,9 @@ _meta: list[torch.library.Library] = []
 
 def ops(isa: str) -> Any:
     """torch.ops.kvfast_<isa> with int8_linear, int4_linear, int4_dequantize and quantize_activations (and, in the
-    AVX-512 and AVX2 builds, int8_linear_tiled, int4_linear_tiled and one_query_attention; in the AVX-512 build,
-    the prompt's int8_gemm / int4_gemm and prompt_attention), built on first use; None (after one warning) where
-    it cannot be built."""
+    AVX-512 and AVX2 builds, int8_linear_tiled, int4_linear_tiled, one_query_attention and the prompt's int8_gemm /
+    int4_gemm; in the AVX-512 build, prompt_attention), built on first use; None (after one warning) where it
+    cannot be built."""
     if isa not in _loaded:
         _loaded[isa] = _build(isa)
     return _loaded[isa]
@@ -100,7 +100,7 @@ def _build(isa: str) -> Any:
         meta.impl("int8_linear_tiled", lambda x, codes, scales: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
         meta.impl("int4_linear_tiled", lambda x, packed, scales, offsets: x.new_empty(*x.shape[:-1], packed.shape[0]),
                   "Meta")
-    if hasattr(getattr(torch.ops, ns), "int8_gemm"):  # AVX-512 builds only
+    if hasattr(getattr(torch.ops, ns), "int8_gemm"):  # AVX-512 and AVX2 builds
         meta.impl("int8_gemm", lambda x, codes, scales, tiled: x.new_empty(*x.shape[:-1], codes.shape[0]), "Meta")
         meta.impl("int4_gemm", lambda x, packed, scales, offsets, tiled: x.new_empty(*x.shape[:-1], packed.shape[0]),
                   "Meta")
