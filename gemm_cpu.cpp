@@ -45,29 +45,107 @@ struct Int4Scales {
   int64_t tile_stride, group;
 };
 
+// The fp32 side of a micro-tile, one vector of W outputs (lane i: output row i of its 16-row tile): the
+// AVX-512 build's 16 lanes or the AVX2 build's 8. Stores write float32, or bfloat16 rounded to nearest even (as
+// at::BFloat16; no NaN reaches a product).
 #if defined(KVFAST_AVX512)
-// 16 outputs to y: float32, or bfloat16 rounded to nearest even (as at::BFloat16; no NaN reaches a product)
-inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
-inline void store16(at::BFloat16* y, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
-}
+struct Out {
+  using reg = __m512;
+  static constexpr int W = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  template <typename S> static reg load(const S* p) { return load16(p); }
+  static void store(float* y, reg v) { _mm512_storeu_ps(y, v); }
+  static void store(at::BFloat16* y, reg v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+  }
+};
+#else
+struct Out {
+  using reg = __m256;
+  static constexpr int W = 8;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  template <typename S> static reg load(const S* p) { return load8(p); }
+  static void store(float* y, reg v) { _mm256_storeu_ps(y, v); }
+  static void store(at::BFloat16* y, reg v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);  // 8 in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_castsi256_si128(words));
+  }
+};
+#endif
 
+// A micro-tile's fp32 accumulators for M rows by K vectors of outputs: a block's integer sums (sums[m][k], as
+// floats) scaled as the one-token kernels scale them, in their order, and the outputs stored.
+template <int M, int K, typename Scales>
+struct Accumulators {
+  static constexpr bool int4 = !std::is_same_v<Scales, Int8Scales>;
+  Out::reg acc[M][K], gacc[M][K];  // gacc: int4's sum over the group so far of d * (integer block sums)
+
+  Accumulators() {
+    for (int m = 0; m < M; ++m)
+      for (int k = 0; k < K; ++k) acc[m][k] = Out::zero();
+  }
+  // int8: d * sums; int4: d * sums over the group, then times its scales, plus its offsets times the rows' group
+  // sums (the scales and offsets of vector k's W rows: tile k * W / 16, from row k * W % 16)
+  void add_block(const Out::reg (&sums)[M][K], const QRow* const* r, int64_t b, const Scales& sc) {
+    if constexpr (!int4) {
+      for (int m = 0; m < M; ++m) {
+        const Out::reg d = Out::set1(r[m]->d_lane[b / 4]);
+        for (int k = 0; k < K; ++k) acc[m][k] = Out::fmadd(sums[m][k], d, acc[m][k]);
+      }
+    } else {
+      const bool first = Scales::one_block || b % sc.group == 0, last = Scales::one_block || (b + QK) % sc.group == 0;
+      for (int m = 0; m < M; ++m) {
+        const Out::reg d = Out::set1(r[m]->d_lane[b / 4]);
+        for (int k = 0; k < K; ++k)  // the first as fma(., ., 0)
+          gacc[m][k] = first ? Out::mul(sums[m][k], d) : Out::fmadd(sums[m][k], d, gacc[m][k]);
+      }
+      if (!last) return;
+      const int64_t g = Scales::one_block ? b / QK : b / sc.group;
+      for (int k = 0; k < K; ++k) {
+        const int64_t at = k * Out::W / TR * sc.tile_stride + g * TR + k * Out::W % TR;
+        const Out::reg scale = Out::load(sc.scales + at), offset = Out::load(sc.offsets + at);
+        for (int m = 0; m < M; ++m) {
+          acc[m][k] = Out::fmadd(gacc[m][k], scale, acc[m][k]);
+          acc[m][k] = Out::fmadd(offset, Out::set1(r[m]->group_sum[g]), acc[m][k]);
+        }
+      }
+    }
+  }
+  // int8: times the rows' scales; row m to y + m * ldy
+  template <typename Y>
+  void store(const Scales& sc, Y* y, int64_t ldy) {
+    for (int m = 0; m < M; ++m)
+      for (int k = 0; k < K; ++k) {
+        if constexpr (!int4) acc[m][k] = Out::mul(acc[m][k], Out::load(sc.scales + k * Out::W));
+        Out::store(y + m * ldy + k * Out::W, acc[m][k]);
+      }
+  }
+};
+
+#if defined(KVFAST_AVX512)
 // Rows r[0..M) times N tiles of codes in tile_int8's layout ([in / 4][16 rows][4 columns], tile n at
 // w + n * stride; int4 codes unpacked to bytes 0..15 first) into y (row m at y + m * ldy).
 template <int M, int N, typename Scales, typename Y>
 void micro(const uint8_t* w, int64_t stride, const QRow* const* r, int64_t in, const Scales& sc, Y* y, int64_t ldy) {
   constexpr bool int4 = !std::is_same_v<Scales, Int8Scales>;
-  __m512 acc[M][N], gacc[M][N];  // gacc: int4's sum over the group so far of d * (integer block sums)
-  for (int m = 0; m < M; ++m)
-    for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
+  Accumulators<M, N, Scales> out;
   // at least 4 independent chains of dpbusd hide its latency: a micro-tile of fewer outputs splits each block's
   // sums in C (exact integers, added after)
   constexpr int C = M * N >= 4 ? 1 : (M * N == 1 ? 4 : 2);
   for (int64_t b = 0; b < in; b += QK) {
-    __m512i s[M][N], part[C][M][N];
+    __m512i part[C][M][N];
     for (int m = 0; m < M; ++m) {
       const __m512i start = int4 ? _mm512_setzero_si512() : _mm512_set1_epi32(r[m]->block_bias[b / QK]);
       for (int n = 0; n < N; ++n) {
@@ -85,57 +163,20 @@ void micro(const uint8_t* w, int64_t stride, const QRow* const* r, int64_t in, c
         for (int n = 0; n < N; ++n) part[k % C][m][n] = _mm512_dpbusd_epi32(part[k % C][m][n], wv[n], a);
       }
     }
+    // (int4_tile_dots scales 16 x a block's sum by d / 16: the same product, exactly, |16 s| < 2^24)
+    __m512 sums[M][N];
     for (int m = 0; m < M; ++m)
       for (int n = 0; n < N; ++n) {
-        s[m][n] = part[0][m][n];
-        for (int c = 1; c < C; ++c) s[m][n] = _mm512_add_epi32(s[m][n], part[c][m][n]);
+        __m512i s = part[0][m][n];
+        for (int c = 1; c < C; ++c) s = _mm512_add_epi32(s, part[c][m][n]);
+        sums[m][n] = _mm512_cvtepi32_ps(s);
       }
-    if constexpr (!int4) {
-      for (int m = 0; m < M; ++m) {
-        const __m512 d = _mm512_set1_ps(r[m]->d_lane[b / 4]);
-        for (int n = 0; n < N; ++n) acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][n]), d, acc[m][n]);
-      }
-    } else {
-      // int4_tile_dots scales 16 x a block's sum by d / 16: the same product, exactly (|16 s| < 2^24)
-      const bool first = Scales::one_block || b % sc.group == 0, last = Scales::one_block || (b + QK) % sc.group == 0;
-      for (int m = 0; m < M; ++m) {
-        const __m512 d = _mm512_set1_ps(r[m]->d_lane[b / 4]);
-        for (int n = 0; n < N; ++n)
-          gacc[m][n] = first ? _mm512_mul_ps(_mm512_cvtepi32_ps(s[m][n]), d)  // as fma(., ., 0)
-                             : _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m][n]), d, gacc[m][n]);
-      }
-      if (last) {
-        const int64_t g = Scales::one_block ? b / QK : b / sc.group;
-        for (int n = 0; n < N; ++n) {
-          const __m512 scale = load16(sc.scales + n * sc.tile_stride + g * TR);
-          const __m512 offset = load16(sc.offsets + n * sc.tile_stride + g * TR);
-          for (int m = 0; m < M; ++m) {
-            acc[m][n] = _mm512_fmadd_ps(gacc[m][n], scale, acc[m][n]);
-            acc[m][n] = _mm512_fmadd_ps(offset, _mm512_set1_ps(r[m]->group_sum[g]), acc[m][n]);
-          }
-        }
-      }
-    }
+    out.add_block(sums, r, b, sc);
   }
-  if constexpr (!int4) {
-    for (int m = 0; m < M; ++m)
-      for (int n = 0; n < N; ++n) acc[m][n] = _mm512_mul_ps(acc[m][n], _mm512_loadu_ps(sc.scales + n * TR));
-  }
-  for (int m = 0; m < M; ++m)
-    for (int n = 0; n < N; ++n) store16(y + m * ldy + n * TR, acc[m][n]);
+  out.store(sc, y, ldy);
 }
 
 #else
-// 8 outputs to y, as store16
-inline void store8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }
-inline void store8(at::BFloat16* y, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);  // 8 words in order
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_castsi256_si128(packed));
-}
-
 // As the AVX-512 micro-kernel, each tile as two vectors of 8 rows (h), with int4_tile_dots' and int8_tile_dots'
 // AVX2 arithmetic: int4 codes (0..15) times the activations add up in int16 over a block (8 pairs a lane, at most
 // 30,480); int8 codes (stored + 128) get their sign back, and vpmaddubsw multiplies |code| by the activations
@@ -145,9 +186,7 @@ void micro(const uint8_t* w, int64_t stride, const QRow* const* r, int64_t in, c
   constexpr bool int4 = !std::is_same_v<Scales, Int8Scales>;
   constexpr int H = 2 * N;
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256 acc[M][H], gacc[M][H];
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < H; ++h) acc[m][h] = _mm256_setzero_ps();
+  Accumulators<M, H, Scales> out;
   for (int64_t b = 0; b < in; b += QK) {
     __m256i s[M][H];
     for (int m = 0; m < M; ++m)
@@ -175,39 +214,12 @@ void micro(const uint8_t* w, int64_t stride, const QRow* const* r, int64_t in, c
         }
       }
     }
-    if constexpr (!int4) {
-      for (int m = 0; m < M; ++m) {
-        const __m256 d = _mm256_set1_ps(r[m]->d_lane[b / 4]);
-        for (int h = 0; h < H; ++h) acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][h]), d, acc[m][h]);
-      }
-    } else {
-      const bool first = Scales::one_block || b % sc.group == 0, last = Scales::one_block || (b + QK) % sc.group == 0;
-      for (int m = 0; m < M; ++m) {
-        const __m256 d = _mm256_set1_ps(r[m]->d_lane[b / 4]);
-        for (int h = 0; h < H; ++h) {
-          const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[m][h], ones));
-          gacc[m][h] = first ? _mm256_mul_ps(f, d) : _mm256_fmadd_ps(f, d, gacc[m][h]);  // as fma(., ., 0)
-        }
-      }
-      if (last) {
-        const int64_t g = Scales::one_block ? b / QK : b / sc.group;
-        for (int h = 0; h < H; ++h) {
-          const int64_t at = h / 2 * sc.tile_stride + g * TR + 8 * (h % 2);
-          const __m256 scale = load8(sc.scales + at), offset = load8(sc.offsets + at);
-          for (int m = 0; m < M; ++m) {
-            acc[m][h] = _mm256_fmadd_ps(gacc[m][h], scale, acc[m][h]);
-            acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(r[m]->group_sum[g]), acc[m][h]);
-          }
-        }
-      }
-    }
-  }
-  if constexpr (!int4) {
+    __m256 sums[M][H];
     for (int m = 0; m < M; ++m)
-      for (int h = 0; h < H; ++h) acc[m][h] = _mm256_mul_ps(acc[m][h], _mm256_loadu_ps(sc.scales + 8 * h));
+      for (int h = 0; h < H; ++h) sums[m][h] = _mm256_cvtepi32_ps(int4 ? _mm256_madd_epi16(s[m][h], ones) : s[m][h]);
+    out.add_block(sums, r, b, sc);
   }
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < H; ++h) store8(y + m * ldy + 8 * h, acc[m][h]);
+  out.store(sc, y, ldy);
 }
 #endif
 
