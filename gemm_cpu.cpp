@@ -32,8 +32,8 @@ constexpr int MR_ROWS = 3, MR_GROUPS = 3, NT = 1;
 constexpr int64_t ONE_TILE_ROWS = 3;
 
 // How a micro-tile scales its integer sums: int8 codes (stored + 128: in AVX-512 builds each block's sum starts
-// from the rows' block_bias; one scale per output row at the end), or int4 codes (per group of `group` columns: scale and offset,
-// float32 or float16 S; ONE_BLOCK: groups of 32, where a group's sum is its one block's).
+// from the rows' block_bias; one scale per output row at the end), or int4 codes (per group of `group` columns:
+// scale and offset, float32 or float16 S; ONE_BLOCK: groups of 32, where a group's sum is its one block's).
 struct Int8Scales {
   const float* scales;  // this micro-tile's first output row's
 };
@@ -45,7 +45,7 @@ struct Int4Scales {
   int64_t tile_stride, group;
 };
 
-// The fp32 side of a micro-tile, one vector of W outputs (lane i: output row i of its 16-row tile): the
+// The fp32 side of a micro-tile, one vector of W outputs (each lane one output row of a 16-row tile): the
 // AVX-512 build's 16 lanes or the AVX2 build's 8. Stores write float32, or bfloat16 rounded to nearest even (as
 // at::BFloat16; no NaN reaches a product).
 #if defined(KVFAST_AVX512)
