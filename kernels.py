@@ -383,7 +383,7 @@ def int_gemm_ops(x: Tensor, tiled: bool) -> object | None:
     codes, where its rows take it: under integer_products("prompt") or "everywhere" (each row is then the tiled
     decode kernel's product, bit for bit), or up to MAX_REDUCTION_ROWS rows through tiles (a short prompt: the
     codes read once for all rows, not a dense copy of the weight). None: another kernel."""
-    ops = tiled_eager_ops(x)
+    ops = None if x.device.type != "cpu" or torch.compiler.is_compiling() else gemm_ops()
     if ops is None:
         return None
     rows = x.shape[:-1].numel()
@@ -504,14 +504,6 @@ def linear(x: Tensor, weight: Tensor, scales: Tensor | None = None, tiled: bool 
         weight = weight.to(x.dtype)  # no-op for weights in the compute dtype
         y = per_row(x, lambda row: (row * weight).sum(-1)) if path == "reductions" else F.linear(x, weight)
     return y if scales is None else (y * scales).to(x.dtype)  # fp32 scales: bfloat16 rows stay bfloat16
-
-
-def tiled_eager_ops(x: Tensor) -> object | None:
-    """The chosen CPU kind's build where it has the integer GEMM (AVX-512 VNNI or AVX2), which reads tiles and
-    rows, for an eager CPU product of x (None: another kernel)."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    return gemm_ops()
 
 
 def gemm_ops() -> object | None:
