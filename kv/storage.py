@@ -21,6 +21,7 @@ from torch import Tensor
 from attention import Codes
 from kv.contract import AttentionCache
 from kv.quant import dequantize_halves, dequantize_tokens, halves_share_groups, quantize_tokens, storage_width
+from memory import zeros_on_huge_pages
 
 INF = float("inf")
 
@@ -54,19 +55,21 @@ class SlotStorage(AttentionCache):
         and row_start [B, 1, ...]."""
         device, D = self.device, self.head_dim
         self.n_slots = slots[-1]
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:  # a step streams them: 2 MB pages on CPU
+            on_cpu = torch.device(device).type == "cpu"
+            return zeros_on_huge_pages(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
+
         if self.kv_bits:
             codes = (*slots, storage_width(D, self.kv_bits))
             groups = (*slots, D // self.kv_group_size)
             for name in ("k", "v"):
-                self.register_buffer(name, torch.zeros(codes, dtype=torch.uint8, device=device),
-                                     persistent=False)
+                self.register_buffer(name, zeros(codes, torch.uint8), persistent=False)
                 for part in ("scale", "zero"):
-                    zeros = torch.zeros(groups, dtype=torch.float32, device=device)
-                    self.register_buffer(f"{name}_{part}", zeros, persistent=False)
+                    self.register_buffer(f"{name}_{part}", zeros(groups, torch.float32), persistent=False)
         else:
             for name in ("k", "v"):
-                self.register_buffer(name, torch.zeros((*slots, D), dtype=self.kv_dtype, device=device),
-                                     persistent=False)
+                self.register_buffer(name, zeros((*slots, D), self.kv_dtype), persistent=False)
         self.register_buffer("slot_pos", torch.full(slots, -1, dtype=torch.long, device=device),
                              persistent=False)
         # per row, the position of its first token: 0, except in a ragged batch (kv.rows), whose shorter prompts

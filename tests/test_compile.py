@@ -2,6 +2,7 @@
 the measured sample compiles nothing; --compile-cache round-trips and never breaks a run; --compile-mode."""
 
 import copy
+import itertools
 import json
 import re
 from pathlib import Path
@@ -412,3 +413,36 @@ def test_weights_move_to_huge_pages_with_their_values_and_the_caches_stay(weight
         for m in (model, unplaced):
             m.setup_caches(lambda i: None)
         assert torch.equal(model(prompt), unplaced(prompt))
+
+
+@pytest.mark.skipif(not memory.huge_pages_enabled(), reason="transparent huge pages are off on this machine")
+@pytest.mark.parametrize("kv", [{}, {"kv_bits": 16, "kv_float": "float16"}, {"kv_bits": 8}])
+def test_cache_buffers_on_huge_pages_decode_as_torch_zeros(kv, monkeypatch):
+    from test_generate import tiny_model
+
+    model = tiny_model()
+    placed = copy.deepcopy(model)
+    model.setup_caches(small_factory("full", 1, model.args, 8, 8, **kv))  # tiny: torch.zeros
+    monkeypatch.setattr(memory, "MIN_HUGE_PAGE_BUFFER", 0)
+    monkeypatch.setattr(memory, "_slab", [None, 0, 0])
+    placed.setup_caches(small_factory("full", 1, model.args, 8, 8, **kv))
+
+    buffers = [getattr(c, n) for c in placed.caches for n in c.kv_buffers()]
+    assert buffers[0].data_ptr() % memory.HUGE_PAGE == 0  # the slab's first buffer starts a 2 MB page
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.nbytes) for b in buffers)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # none overlaps another
+    assert len({b.untyped_storage().data_ptr() for b in buffers}) == len(buffers)  # a storage each
+    assert all(not b.any() for b in buffers)
+    prompt = torch.randint(0, model.args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(generate_tokens(placed, prompt, 6, Decoder(placed, compile=True)),
+                       generate_tokens(model, prompt, 6, Decoder(model, compile=True)))
+
+
+def test_small_or_unplaced_buffers_are_torch_zeros(monkeypatch):
+    monkeypatch.setattr(memory, "_slab", [None, 0, 0])
+    small = memory.zeros_on_huge_pages((4, 8), torch.float16)
+    monkeypatch.setattr(memory, "huge_pages_enabled", lambda: False)
+    big = memory.zeros_on_huge_pages((1, 2, 1024, 64), torch.float32)
+    assert small.shape == (4, 8) and small.dtype == torch.float16 and not small.any()
+    assert big.shape == (1, 2, 1024, 64) and big.dtype == torch.float32 and not big.any()
+    assert memory._slab[0] is None  # no mapping was made
