@@ -270,6 +270,26 @@ def test_one_query_attention_equals_the_reductions(isa, dtype, B, n_kv, g, D, T,
 
 
 @pytest.mark.parametrize("isa", ONE_QUERY_ISAS)
+def test_one_query_attention_gives_the_same_bits_on_one_thread_and_two(isa):
+    """Each key block's share is one task's and the shares add up in block order, also where the heads' sums
+    run in parallel (many blocks: 2 KV heads of 7 over 4,700 slots)."""
+    ops = one_query_kernel(isa)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 7, 64, generator=gen)
+    k, v = (torch.randn(2, 2, 4700, 64, generator=gen).half() for _ in "kv")
+    mask = torch.rand(2, 2, 4700, generator=gen) < 0.9
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.one_query_attention(q, k, v, mask, 0.125)
+        torch.set_num_threads(2)
+        two = ops.one_query_attention(q, k, v, mask, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@pytest.mark.parametrize("isa", ONE_QUERY_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_query_attention_reads_slot_positions_as_its_mask(isa, dtype):
     """A slot cache's positions as the mask (live where >= 0: position 0 live, -1 empty, positions past 2^32)
