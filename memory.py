@@ -71,13 +71,15 @@ _slab: list = [None, 0, 0]  # the mapping buffers are carved from, its next free
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on 2 MB pages where huge_pages_enabled(), carved from a shared anonymous mapping (a
     storage of its own, from a cache line), for a decode step's K/V buffers: a step streams them as it streams the
-    weights, and from 4 KB pages the one-query attention read 1.1-1.2x slower. Elsewhere, or under 64 KB, torch.zeros."""
+    weights, and from 4 KB pages the one-query attention read 1.07-1.2x slower. Elsewhere, or under 64 KB,
+    torch.zeros. A mapping is unmapped once its tensors are gone and a later one serves new buffers, so at most one
+    mapping outlives its buffers; freed space in it is not reused."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     if nbytes < MIN_HUGE_PAGE_BUFFER or not huge_pages_enabled():
         return torch.zeros(shape, dtype=dtype)
     span = -(-nbytes // 64) * 64
     mapping, offset, end = _slab
-    if mapping is None or offset + span > end:  # a fresh mapping is zeros; the last one lives on in its tensors
+    if mapping is None or offset + span > end:  # a fresh mapping is zeros
         mapping, offset = huge_page_memory(max(SLAB, span))
         end = offset + max(SLAB, span)
     _slab[:] = [mapping, offset + span, end]
