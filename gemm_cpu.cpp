@@ -45,80 +45,41 @@ struct Int4Scales {
   int64_t tile_stride, group;
 };
 
-// The fp32 side of a micro-tile, one vector of W outputs (each lane one output row of a 16-row tile): the
-// AVX-512 build's 16 lanes or the AVX2 build's 8. Stores write float32, or bfloat16 rounded to nearest even (as
-// at::BFloat16; no NaN reaches a product).
-#if defined(KVFAST_AVX512)
-struct Out {
-  using reg = __m512;
-  static constexpr int W = 16;
-  static reg zero() { return _mm512_setzero_ps(); }
-  static reg set1(float x) { return _mm512_set1_ps(x); }
-  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
-  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  template <typename S> static reg load(const S* p) { return load16(p); }
-  static void store(float* y, reg v) { _mm512_storeu_ps(y, v); }
-  static void store(at::BFloat16* y, reg v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
-  }
-};
-#else
-struct Out {
-  using reg = __m256;
-  static constexpr int W = 8;
-  static reg zero() { return _mm256_setzero_ps(); }
-  static reg set1(float x) { return _mm256_set1_ps(x); }
-  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
-  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  template <typename S> static reg load(const S* p) { return load8(p); }
-  static void store(float* y, reg v) { _mm256_storeu_ps(y, v); }
-  static void store(at::BFloat16* y, reg v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);  // 8 in order
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_castsi256_si128(words));
-  }
-};
-#endif
-
-// A micro-tile's fp32 accumulators for M rows by K vectors of outputs: a block's integer sums (sums[m][k], as
-// floats) scaled as the one-token kernels scale them, in their order, and the outputs stored.
+// A micro-tile's fp32 accumulators for M rows by K vectors of Vec::W outputs (each lane one output row of a 16-row
+// tile): a block's integer sums (sums[m][k], as floats) scaled as the one-token kernels scale them, in their order,
+// and the outputs stored (float32, or bfloat16 rounded to nearest even).
 template <int M, int K, typename Scales>
 struct Accumulators {
   static constexpr bool int4 = !std::is_same_v<Scales, Int8Scales>;
-  Out::reg acc[M][K], gacc[M][K];  // gacc: int4's sum over the group so far of d * (integer block sums)
+  Vec::reg acc[M][K], gacc[M][K];  // gacc: int4's sum over the group so far of d * (integer block sums)
 
   Accumulators() {
     for (int m = 0; m < M; ++m)
-      for (int k = 0; k < K; ++k) acc[m][k] = Out::zero();
+      for (int k = 0; k < K; ++k) acc[m][k] = Vec::zero();
   }
   // int8: d * sums; int4: d * sums over the group, then times its scales, plus its offsets times the rows' group
   // sums (the scales and offsets of vector k's W rows: tile k * W / 16, from row k * W % 16)
-  void add_block(const Out::reg (&sums)[M][K], const QRow* const* r, int64_t b, const Scales& sc) {
+  void add_block(const Vec::reg (&sums)[M][K], const QRow* const* r, int64_t b, const Scales& sc) {
     if constexpr (!int4) {
       for (int m = 0; m < M; ++m) {
-        const Out::reg d = Out::set1(r[m]->d_lane[b / 4]);
-        for (int k = 0; k < K; ++k) acc[m][k] = Out::fmadd(sums[m][k], d, acc[m][k]);
+        const Vec::reg d = Vec::set1(r[m]->d_lane[b / 4]);
+        for (int k = 0; k < K; ++k) acc[m][k] = Vec::fmadd(sums[m][k], d, acc[m][k]);
       }
     } else {
       const bool first = Scales::one_block || b % sc.group == 0, last = Scales::one_block || (b + QK) % sc.group == 0;
       for (int m = 0; m < M; ++m) {
-        const Out::reg d = Out::set1(r[m]->d_lane[b / 4]);
+        const Vec::reg d = Vec::set1(r[m]->d_lane[b / 4]);
         for (int k = 0; k < K; ++k)  // the first as fma(., ., 0)
-          gacc[m][k] = first ? Out::mul(sums[m][k], d) : Out::fmadd(sums[m][k], d, gacc[m][k]);
+          gacc[m][k] = first ? Vec::mul(sums[m][k], d) : Vec::fmadd(sums[m][k], d, gacc[m][k]);
       }
       if (!last) return;
       const int64_t g = Scales::one_block ? b / QK : b / sc.group;
       for (int k = 0; k < K; ++k) {
-        const int64_t at = k * Out::W / TR * sc.tile_stride + g * TR + k * Out::W % TR;
-        const Out::reg scale = Out::load(sc.scales + at), offset = Out::load(sc.offsets + at);
+        const int64_t at = k * Vec::W / TR * sc.tile_stride + g * TR + k * Vec::W % TR;
+        const Vec::reg scale = Vec::load(sc.scales + at), offset = Vec::load(sc.offsets + at);
         for (int m = 0; m < M; ++m) {
-          acc[m][k] = Out::fmadd(gacc[m][k], scale, acc[m][k]);
-          acc[m][k] = Out::fmadd(offset, Out::set1(r[m]->group_sum[g]), acc[m][k]);
+          acc[m][k] = Vec::fmadd(gacc[m][k], scale, acc[m][k]);
+          acc[m][k] = Vec::fmadd(offset, Vec::set1(r[m]->group_sum[g]), acc[m][k]);
         }
       }
     }
@@ -128,8 +89,8 @@ struct Accumulators {
   void store(const Scales& sc, Y* y, int64_t ldy) {
     for (int m = 0; m < M; ++m)
       for (int k = 0; k < K; ++k) {
-        if constexpr (!int4) acc[m][k] = Out::mul(acc[m][k], Out::load(sc.scales + k * Out::W));
-        Out::store(y + m * ldy + k * Out::W, acc[m][k]);
+        if constexpr (!int4) acc[m][k] = Vec::mul(acc[m][k], Vec::load(sc.scales + k * Vec::W));
+        Vec::storeu(y + m * ldy + k * Vec::W, acc[m][k]);
       }
   }
 };

@@ -125,6 +125,123 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 #endif
 
+#if defined(KVFAST_AVX2)
+// ---- one vector of fp32 lanes: 16 (AVX-512) or 8 (AVX2) ----------------------------------------------------------
+// What the one-query attention and the prompt's GEMM need of it, so that one kernel serves both builds. `heads`:
+// the query heads whose scores of four keys the one-query kernel keeps in registers at once; `values`: the
+// accumulators its values' product keeps in registers (32 or 16 registers in all).
+template <typename T> constexpr bool is_bf16 = std::is_same_v<T, at::BFloat16>;
+
+struct Avx2 {
+  using reg = __m256;
+  static constexpr int W = 8, heads = 3, values = 12;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }
+  static reg nearest(reg x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static reg times_pow2(reg y, reg n) {  // y 2^n for integral -126 <= n <= 127: the exponent built by a shift
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)));
+  }
+  static reg finite_or_zero(reg x, reg y) {  // y where x > -inf, else 0
+    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), y);
+  }
+  static reg loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void storeu(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  static void storeu(at::BFloat16* p, reg x) {  // rounded to nearest even (as at::BFloat16; no NaN)
+    const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(round<at::BFloat16>(x)), 16);
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0x08);  // 8 in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words));
+  }
+  static __m256i first(int64_t n) {  // lanes [0, n) set
+    static const int32_t ones[2 * W] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ones + W - std::min<int64_t>(n, W)));
+  }
+  static reg load_first(const float* p, int64_t n, float fill) {  // lanes [0, n) of p, the rest `fill`
+    if (n >= W) return loadu(p);
+    const __m256i live = first(n);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, live), _mm256_castsi256_ps(live));
+  }
+  static void store_first(float* p, reg x, int64_t n) {
+    if (n >= W) storeu(p, x);
+    else _mm256_maskstore_ps(p, first(n), x);
+  }
+  static float reduce_add(reg x) { return hsum8(x); }
+  static float reduce_max(reg x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static __m128 sum4(reg a, reg b, reg c, reg d) {  // the sums of the lanes of a, b, c and d, in that order
+    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  }
+  // W channels of a K or V row as fp32; and, for bfloat16 K/V, fp32 rounded to bfloat16 and back at the points
+  // where attend's bfloat16 matmuls round (kernels.attend_one_query rounds alike; fp16 K/V are read exactly)
+  template <typename T> static reg load(const T* p) { return load8(p); }
+  template <typename T> static reg round(reg x) {
+    if constexpr (!is_bf16<T>) return x;
+    const __m256i b = _mm256_castps_si256(x);  // to nearest even (finite x; -inf stays -inf)
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
+
+#if defined(KVFAST_AVX512)
+struct Avx512 {
+  using reg = __m512;
+  static constexpr int W = 16, heads = 4, values = 28;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }
+  static reg nearest(reg x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+  static reg times_pow2(reg y, reg n) { return _mm512_scalef_ps(y, n); }
+  static reg finite_or_zero(reg x, reg y) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), y);
+  }
+  static reg loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void storeu(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static void storeu(at::BFloat16* p, reg x) {
+    const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(round<at::BFloat16>(x)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+  }
+  static __mmask16 first(int64_t n) { return n >= W ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+  static reg load_first(const float* p, int64_t n, float fill) { return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), first(n), p); }
+  static void store_first(float* p, reg x, int64_t n) { _mm512_mask_storeu_ps(p, first(n), x); }
+  static float reduce_add(reg x) { return _mm512_reduce_add_ps(x); }
+  static float reduce_max(reg x) { return _mm512_reduce_max_ps(x); }
+  static __m128 sum4(reg a, reg b, reg c, reg d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d per 128
+    const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+  }
+  template <typename T> static reg load(const T* p) { return load16(p); }
+  template <typename T> static reg round(reg x) {
+    if constexpr (!is_bf16<T>) return x;
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
+using Vec = Avx512;
+#else
+using Vec = Avx2;
+#endif
+#endif
+
 // x [in] (float32; bfloat16 in the vector builds) into r, whose group sums start at zero.
 template <typename T>
 void quantize_row(const T* x, int64_t in, int64_t group, const QRow& r) {
