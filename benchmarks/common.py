@@ -74,9 +74,25 @@ class Bench:
 # ---- the machine ------------------------------------------------------------------------------------------------
 @functools.cache
 def cpu_summary() -> str:
-    """The CPU (kernels.cpu_report: model, the features that choose kernels, a forced kind), torch's version and
-    threads. Every table's header carries it: runs on other machines differ."""
-    return f"{kernels.cpu_report()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    """The CPU (kernels.cpu_report: model, the features that choose kernels, a forced kind), its L2 and L3 sizes,
+    torch's version and threads. Every table's header carries it: runs on other machines differ."""
+    caches = cache_sizes()
+    return (f"{kernels.cpu_report()}" + (f", {caches}" if caches else "")
+            + f"; torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def cache_sizes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> str:
+    """'L2 2 MB, L3 480 MB' as Linux reports the first core's caches ('' where it does not): an L3 that holds a
+    share of a step's bytes lets a decode step read faster than a stream from memory (the read floor below)."""
+    sizes = {}
+    for index in sorted(root.glob("index*")):
+        try:
+            level, kind, size = ((index / f).read_text().strip() for f in ("level", "type", "size"))
+        except OSError:
+            continue
+        if level in ("2", "3") and kind == "Unified" and size[:-1].isdigit() and size[-1] in "KM":
+            sizes[f"L{level}"] = int(size[:-1]) * (1 if size[-1] == "K" else 1024)
+    return ", ".join(f"{name} {kb // 1024} MB" if kb >= 1024 else f"{name} {kb} KB" for name, kb in sizes.items())
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -102,7 +118,8 @@ def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
 
 
 def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
-    """Bytes read per second summing a buffer far larger than the caches: a decode step only reads."""
+    """Bytes read per second summing a buffer of n_bytes again and again: a decode step only reads, and reads
+    the same bytes every step (the default, far larger than the caches: a stream from memory)."""
     src = huge_page_floats(n_bytes)
     return n_bytes / median_time(src.sum, repeats)
 
@@ -139,19 +156,21 @@ def interleaved(runs: dict[str, Callable[[], dict]], repeats: int, bandwidth: bo
     after one untimed round (compiles, warms up); per engine the median prefill and tok/s, and the last run's
     other fields. bandwidth: the copy and read bandwidths are measured at the start of every round too, and a
     run that reports its step_bytes gets floor_pct / read_floor_pct, the medians over rounds of its share of that
-    round's floors (the host's bandwidth moves between minutes as much as the engines do)."""
-    for run in runs.values():
-        run()
+    round's floors (the host's bandwidth moves between minutes as much as the engines do), and step_read_floor_pct:
+    the same against reading a buffer of its own step's bytes again and again, measured before each of its runs
+    (where the L3 holds a share of those bytes, faster than the stream from memory)."""
+    steps = {name: run().get("step_bytes") for name, run in runs.items()}
     rounds: dict[str, list[dict]] = {name: [] for name in runs}
     for _ in range(repeats):
         bw = {"copy_bw": copy_bandwidth(repeats=3), "read_bw": read_bandwidth()} if bandwidth else {}
         for name, run in runs.items():
-            rounds[name].append({**run(), **bw})
+            own = {"step_read_bw": read_bandwidth(steps[name])} if bandwidth and steps[name] else {}
+            rounds[name].append({**bw, **own, **run()})
     out = {name: {**rs[-1], "prefill_s": statistics.median(r["prefill_s"] for r in rs),
                   "tok_s": statistics.median(r["tok_s"] for r in rs)} for name, rs in rounds.items()}
     for name, rs in rounds.items():
-        if bandwidth and "step_bytes" in rs[-1]:
-            for floor, bw in (("floor_pct", "copy_bw"), ("read_floor_pct", "read_bw")):
+        if bandwidth and steps[name]:
+            for floor, bw in (("floor_pct", "copy_bw"), ("read_floor_pct", "read_bw"), ("step_read_floor_pct", "step_read_bw")):
                 out[name][floor] = statistics.median(100 * r["tok_s"] * r["step_bytes"] / r[bw] for r in rs)
                 out[name][f"{bw}_GBs"] = [r[bw] / 1e9 for r in rs]
     return out

@@ -123,17 +123,19 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
                f"products: --prefill-dtype {args.prefill_dtype} (in the prefill column); copy bandwidth "
                f"{bandwidth / 1e9:.1f} GB/s before the table, "
                f"{bandwidths(rows, 'copy_bw_GBs')} GB/s at the start of each round; read bandwidth "
-               f"{bandwidths(rows, 'read_bw_GBs')} GB/s")
+               f"{bandwidths(rows, 'read_bw_GBs')} GB/s (1 GB buffers)")
     if peer:
         caption += f"\nllama.cpp system_info: {peer['system_info']}"
     table(caption, ["engine", "prefill (s)", "decode tok/s", "vs HF",
                     "vs llama.cpp " + " / ".join(n.split(" ")[1].strip("(,") for n in peers) if peers else "vs llama.cpp",
-                    "% of bandwidth floor: copy / read (weights + K/V per step at each round's bandwidth, median)",
+                    ("% of bandwidth floor: copy / read / read of the step's bytes (weights + K/V per step at "
+                     "each round's bandwidth, median)"),
                     "greedy tokens equal to kvfast fp32"])
     for name, r in rows.items():
         vs_hf = f"{r['tok_s'] / hf['tok_s']:.2f}x" if hf else "-"
         vs_peer = " / ".join(f"{r['tok_s'] / p['tok_s']:.2f}x" for p in peers.values()) or "-"
-        floor = f"{r['floor_pct']:.0f} % / {r['read_floor_pct']:.0f} %" if "floor_pct" in r else "-"
+        floor = " / ".join(f"{r[k]:.0f} %" for k in ("floor_pct", "read_floor_pct", "step_read_floor_pct")) \
+            if "floor_pct" in r else "-"
         same = f"{agreement(r['tokens'], ref)} of {len(ref)}" if ref and "tokens" in r else "-"
         products = f" ({r['prefill_products']})" if "prefill_products" in r else ""
         row(name, f"{r['prefill_s']:.2f}{products}", f"{r['tok_s']:.1f}", vs_hf, vs_peer, floor, same)

@@ -72,6 +72,39 @@ def test_engine_runs_alternate_after_one_untimed_round() -> None:
     assert rows["a"]["tok_s"] == 1 / 2 and rows["b"]["tokens"] == [8]
 
 
+def test_floors_are_each_rounds_bandwidths_and_the_read_of_each_steps_own_bytes(monkeypatch) -> None:
+    """With bandwidth, a run that reports its step's bytes gets its share of each round's copy and read floors,
+    and of a read of a buffer as large as its own step, measured before each of its runs: on a host whose L3 holds
+    a share of a small model's bytes, the stream from memory is not the floor (medians over the rounds)."""
+    from benchmarks import common
+
+    reads = []
+    monkeypatch.setattr(common, "copy_bandwidth", lambda repeats: 10e9)
+    monkeypatch.setattr(common, "read_bandwidth", lambda n_bytes=1 << 30: reads.append(n_bytes) or
+                        (20e9 if n_bytes == 1 << 30 else 40e9))
+    runs = {"ours": lambda: {"prefill_s": 1.0, "tok_s": 100.0, "step_bytes": 50_000_000},
+            "peer": lambda: {"prefill_s": 1.0, "tok_s": 50.0}}
+    rows = common.interleaved(runs, repeats=2, bandwidth=True)
+    assert reads == [1 << 30, 50_000_000] * 2  # each round's stream, then the step's own bytes before its run
+    ours = rows["ours"]
+    assert (ours["floor_pct"], ours["read_floor_pct"], ours["step_read_floor_pct"]) == (50, 25, 12.5)
+    assert ours["step_read_bw_GBs"] == [40.0, 40.0] and "floor_pct" not in rows["peer"]
+
+
+def test_cache_sizes_come_from_the_first_cores_caches(tmp_path) -> None:
+    from benchmarks.common import cache_sizes
+
+    for i, (level, kind, size) in enumerate([("1", "Data", "48K"), ("1", "Instruction", "64K"), ("2", "Unified", "2048K"),
+                                             ("3", "Unified", "491520K")]):
+        (tmp_path / f"index{i}").mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (tmp_path / f"index{i}" / name).write_text(value + "\n")
+    assert cache_sizes(tmp_path) == "L2 2 MB, L3 480 MB"
+    (tmp_path / "index3" / "size").unlink()  # unreadable: left out, not guessed
+    assert cache_sizes(tmp_path) == "L2 2 MB"
+    assert cache_sizes(tmp_path / "missing") == ""
+
+
 def test_agreement_counts_the_common_prefix() -> None:
     assert agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
     assert agreement([1, 2], [1, 2, 3]) == 2
