@@ -74,8 +74,8 @@ def test_engine_runs_alternate_after_one_untimed_round() -> None:
 
 def test_floors_are_each_rounds_bandwidths_and_the_read_of_each_steps_own_bytes(monkeypatch) -> None:
     """With bandwidth, a run that reports its step's bytes gets its share of each round's copy and read floors,
-    and of a read of a buffer as large as its own step, measured before each of its runs: on a host whose L3 holds
-    a share of a small model's bytes, the stream from memory is not the floor (medians over the rounds)."""
+    and of a read of a buffer as large as its own step, measured at each round's start: on a host whose L3 holds a
+    share of a small model's bytes, the stream from memory is not the floor (medians over the rounds)."""
     from benchmarks import common
 
     reads = []
@@ -85,7 +85,7 @@ def test_floors_are_each_rounds_bandwidths_and_the_read_of_each_steps_own_bytes(
     runs = {"ours": lambda: {"prefill_s": 1.0, "tok_s": 100.0, "step_bytes": 50_000_000},
             "peer": lambda: {"prefill_s": 1.0, "tok_s": 50.0}}
     rows = common.interleaved(runs, repeats=2, bandwidth=True)
-    assert reads == [1 << 30, 50_000_000] * 2  # each round's stream, then the step's own bytes before its run
+    assert reads == [1 << 30, 50_000_000] * 2  # each round's stream, then each step's own bytes
     ours = rows["ours"]
     assert (ours["floor_pct"], ours["read_floor_pct"], ours["step_read_floor_pct"]) == (50, 25, 12.5)
     assert ours["step_read_bw_GBs"] == [40.0, 40.0] and "floor_pct" not in rows["peer"]
