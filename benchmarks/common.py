@@ -83,7 +83,7 @@ def cpu_summary() -> str:
 
 def cache_sizes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> str:
     """'L2 2 MB, L3 480 MB' as Linux reports the first core's caches ('' where it does not): an L3 that holds a
-    share of a step's bytes lets a decode step read faster than a stream from memory (the read floor below)."""
+    share of a step's bytes lets a decode step read faster than a stream from memory (interleaved's step floor)."""
     sizes = {}
     for index in sorted(root.glob("index*")):
         try:

@@ -123,7 +123,7 @@ def print_engine_table(rows: dict, prompt_len: int, bandwidth: float, args: argp
                f"products: --prefill-dtype {args.prefill_dtype} (in the prefill column); copy bandwidth "
                f"{bandwidth / 1e9:.1f} GB/s before the table, "
                f"{bandwidths(rows, 'copy_bw_GBs')} GB/s at the start of each round; read bandwidth "
-               f"{bandwidths(rows, 'read_bw_GBs')} GB/s (1 GB buffers)")
+               f"{bandwidths(rows, 'read_bw_GBs')} GB/s (1 GiB buffers)")
     if peer:
         caption += f"\nllama.cpp system_info: {peer['system_info']}"
     table(caption, ["engine", "prefill (s)", "decode tok/s", "vs HF",
