@@ -164,7 +164,9 @@ def interleaved(runs: dict[str, Callable[[], dict]], repeats: int, bandwidth: bo
     rounds: dict[str, list[dict]] = {name: [] for name in runs}
     for _ in range(repeats):
         bw = {"copy_bw": copy_bandwidth(repeats=3), "read_bw": read_bandwidth()} if bandwidth else {}
-        own = {name: {"step_read_bw": read_bandwidth(n)} for name, n in steps.items() if bandwidth and n}
+        # a step of 1 GiB or more gets the stream's rate: no L3 holds a share worth a probe of its size in memory
+        own = {name: {"step_read_bw": read_bandwidth(n) if n < 1 << 30 else bw["read_bw"]}
+               for name, n in steps.items() if bandwidth and n}
         for name, run in runs.items():
             rounds[name].append({**bw, **own.get(name, {}), **run()})
     out = {name: {**rs[-1], "prefill_s": statistics.median(r["prefill_s"] for r in rs),

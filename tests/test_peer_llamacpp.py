@@ -83,12 +83,15 @@ def test_floors_are_each_rounds_bandwidths_and_the_read_of_each_steps_own_bytes(
     monkeypatch.setattr(common, "read_bandwidth", lambda n_bytes=1 << 30: reads.append(n_bytes) or
                         (20e9 if n_bytes == 1 << 30 else 40e9))
     runs = {"ours": lambda: {"prefill_s": 1.0, "tok_s": 100.0, "step_bytes": 50_000_000},
+            "big": lambda: {"prefill_s": 1.0, "tok_s": 1.0, "step_bytes": 3 << 30},
             "peer": lambda: {"prefill_s": 1.0, "tok_s": 50.0}}
     rows = common.interleaved(runs, repeats=2, bandwidth=True)
-    assert reads == [1 << 30, 50_000_000] * 2  # each round's stream, then each step's own bytes
+    # each round's stream, then each step's own bytes; a step of 1 GiB or more takes the stream's rate
+    assert reads == [1 << 30, 50_000_000] * 2
     ours = rows["ours"]
     assert (ours["floor_pct"], ours["read_floor_pct"], ours["step_read_floor_pct"]) == (50, 25, 12.5)
     assert ours["step_read_bw_GBs"] == [40.0, 40.0] and "floor_pct" not in rows["peer"]
+    assert rows["big"]["step_read_floor_pct"] == rows["big"]["read_floor_pct"] == 100 * (3 << 30) / 20e9
 
 
 def test_cache_sizes_come_from_the_first_cores_caches(tmp_path) -> None:
